@@ -1,0 +1,11 @@
+"""deepinfer_fn: a functional JAX/XLA inference engine for the DeepSeek-V4 family."""
+
+from deepinfer_fn.config import ConfigError, ModelConfig
+from deepinfer_fn.params import Params, count_params, init_params, param_specs
+from deepinfer_fn.api import forward, mtp_forward
+from deepinfer_fn.checkpoint import CheckpointError, load_params, save_params
+
+__all__ = [
+    "ConfigError", "ModelConfig", "Params", "count_params", "init_params", "param_specs",
+    "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
+]

@@ -1,0 +1,73 @@
+"""Public entry points with input checks at the boundary (DESIGN.md "Public API")."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_fn.model import transformer
+from deepinfer_fn.params import Params
+
+
+def check_tokens(tokens, cfg, *, name: str = "tokens") -> None:
+    """Shape, dtype and vocabulary checks; value checks only when the ids are concrete."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"{name} must be a 2-D int array [batch, length], got shape {shape}")
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(shape)})")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    if shape[1] > cfg.max_position_embeddings:
+        raise ValueError(f"{name} has length {shape[1]} > max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+            raise ValueError(f"{name} has ids outside the vocabulary [0, {cfg.vocab_size}): "
+                             f"{sorted(set(bad.tolist()))[:8]}")
+
+
+@jax.jit
+def _forward(params: Params, tokens: jax.Array) -> jax.Array:
+    return transformer.logits_and_streams(params, tokens)[0]
+
+
+def forward(params: Params, tokens) -> jax.Array:
+    """Logits of every position, no cache: int32 [B, T] -> float32 [B, T, vocab] (spec §2)."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+    check_tokens(tokens, params.config)
+    return _forward(params, jnp.asarray(tokens, jnp.int32))
+
+
+@jax.jit
+def _forward_with_streams(params, tokens):
+    return transformer.logits_and_streams(params, tokens)
+
+
+@jax.jit
+def _mtp_logits(params, streams, tokens):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+    return transformer.mtp_block(params, streams[:, :-1], tokens[:, 1:], positions)[0]
+
+
+def mtp_forward(params: Params, tokens) -> jax.Array:
+    """MTP draft logits for a whole sequence, no cache (§2.11).
+
+    tokens [B,T] -> float32 [B, T-1, vocab]: row i predicts token i+2 from the backbone's
+    streams at i and token i+1.
+    """
+    check_tokens(tokens, params.config)
+    if tokens.shape[1] < 2:
+        raise ValueError("mtp_forward needs at least 2 tokens per row")
+    if not params["mtp"]:
+        raise ValueError("these params have no MTP block (checkpoint without mtp.* tensors, "
+                         "or init_params(..., include_mtp=False))")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    _, streams = _forward_with_streams(params, tokens)
+    return _mtp_logits(params, streams, tokens)

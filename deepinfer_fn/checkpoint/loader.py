@@ -1,0 +1,314 @@
+"""HF-format checkpoints <-> params, driven by the weight specs (spec/model.md §5).
+
+`load_params(path, dtype)` reads official or transformers-saved safetensors (single file or
+sharded with `model.safetensors.index.json`), dequantizes FP8 block-scaled and packed FP4
+weights (UE8M0 scales), transposes to the internal [in, out] layout, and checks every
+tensor's name, shape and dtype. `save_params` writes the official layout, optionally
+quantized with our own FP8/FP4 quantizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from deepinfer_fn.checkpoint import quant
+from deepinfer_fn.checkpoint.names import normalize_name, scale_name
+from deepinfer_fn.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from deepinfer_fn.config import ConfigError, ModelConfig
+from deepinfer_fn.params import (BF16, F32, FP4, FP8, I64, Params, Spec, ckpt_prefixes,
+                                 is_spec, leaf_dtype, param_specs)
+
+_FLOAT_STORAGE = {"F32", "BF16", "F16", "F64"}
+
+
+# ------------------------------------------------------------------------------- layouts
+def checkpoint_shape(spec: Spec) -> tuple[int, ...]:
+    """Shape of the (per-expert) checkpoint tensor a spec is stored as, logical elements."""
+    if spec.layout == "linear":
+        return spec.shape[::-1]
+    if spec.layout == "experts":
+        return (spec.shape[2], spec.shape[1])
+    if spec.layout == "grouped":
+        g, i, r = spec.shape
+        return (g * r, i)
+    return spec.shape
+
+
+def to_internal(spec: Spec, arrays: list[np.ndarray]) -> np.ndarray:
+    if spec.layout == "linear":
+        return arrays[0].T
+    if spec.layout == "experts":
+        return np.stack([a.T for a in arrays])
+    if spec.layout == "grouped":
+        g, i, r = spec.shape
+        return arrays[0].reshape(g, r, i).transpose(0, 2, 1)
+    return arrays[0]
+
+
+def to_checkpoint(spec: Spec, value: np.ndarray) -> list[np.ndarray]:
+    if spec.layout == "linear":
+        return [value.T]
+    if spec.layout == "experts":
+        return [w.T for w in value]
+    if spec.layout == "grouped":
+        g, i, r = spec.shape
+        return [value.transpose(0, 2, 1).reshape(g * r, i)]
+    return [value]
+
+
+def tensor_names(spec: Spec, prefix: str) -> list[str]:
+    if spec.layout == "experts":
+        return [prefix + spec.ckpt.format(e=e) for e in range(spec.shape[0])]
+    return [prefix + spec.ckpt]
+
+
+# ------------------------------------------------------------------------------- reading
+class _Checkpoint:
+    """All tensors of a checkpoint directory by official name, with the file each is in."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index_path = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index_path}: corrupt index ({e})") from e
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+            if missing:
+                names = [n for n, f in weight_map.items() if f == missing[0]][:3]
+                raise CheckpointError(f"missing checkpoint shard {os.path.join(path, missing[0])} "
+                                      f"(listed in the index for tensors such as {names}); "
+                                      f"{len(missing)} shard(s) missing in all")
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            weight_map = None
+            if not files:
+                raise CheckpointError(f"no .safetensors files in {path}")
+        self.files = {f: SafetensorsFile(os.path.join(path, f)) for f in files}
+        self.where: dict[str, tuple[str, str]] = {}
+        for fname, st in self.files.items():
+            for raw in st.keys():
+                name = normalize_name(raw)
+                if name in self.where:
+                    raise CheckpointError(f"tensor {name!r} appears twice: {raw!r} in {fname} and "
+                                          f"{self.where[name][1]!r} in {self.where[name][0]}")
+                if weight_map is not None and weight_map.get(raw) != fname:
+                    raise CheckpointError(f"tensor {raw!r} is in {fname} but the index says "
+                                          f"{weight_map.get(raw)}")
+                self.where[name] = (fname, raw)
+        if weight_map is not None:
+            absent = [n for n, f in weight_map.items()
+                      if normalize_name(n) not in self.where]
+            if absent:
+                raise CheckpointError(f"tensor {absent[0]!r} is listed in the index for "
+                                      f"{weight_map[absent[0]]} but that file does not contain it")
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def describe(self, name: str) -> str:
+        fname, raw = self.where[name]
+        return f"{raw!r} in {os.path.join(self.path, fname)}"
+
+    def get(self, name: str) -> tuple[np.ndarray, str]:
+        if name not in self.where:
+            raise CheckpointError(f"missing tensor {name!r} in checkpoint {self.path}")
+        self.used.add(name)
+        fname, raw = self.where[name]
+        st = self.files[fname]
+        return st.get(raw), st.dtype_name(raw)
+
+
+def _read_weight(ck: _Checkpoint, name: str, spec: Spec, cfg: ModelConfig) -> np.ndarray:
+    """One checkpoint tensor as float32 (or int32 for index tables), dequantized and checked."""
+    want = checkpoint_shape(spec)
+    arr, kind = ck.get(name)
+    if spec.layout == "index":
+        if kind not in ("I64", "I32"):
+            raise CheckpointError(f"dtype mismatch: {ck.describe(name)} is {kind}, expected I64")
+        out = np.asarray(arr).astype(np.int32)
+        if out.min() < 0 or out.max() >= cfg.n_routed_experts:
+            raise CheckpointError(f"{ck.describe(name)} has expert ids outside "
+                                  f"[0, {cfg.n_routed_experts})")
+    elif kind == "F8_E4M3":
+        if spec.fmt != FP8:
+            raise CheckpointError(f"dtype mismatch: {ck.describe(name)} is F8_E4M3 but this "
+                                  f"weight is stored as {spec.fmt}")
+        _check_shape(ck, name, arr.shape, want)
+        scale, _ = ck.get(scale_name(name)) if ck.has(scale_name(name)) else (None, None)
+        if scale is None:
+            raise CheckpointError(f"{ck.describe(name)} is FP8 but has no scale tensor "
+                                  f"{scale_name(name)!r}")
+        try:
+            out = quant.dequantize_fp8_block(np.asarray(arr), np.asarray(scale), cfg.fp8_block)
+        except ValueError as e:
+            raise CheckpointError(f"{ck.describe(name)}: {e}") from e
+    elif kind in ("I8", "U8"):
+        if spec.fmt != FP4:
+            raise CheckpointError(f"dtype mismatch: {ck.describe(name)} is {kind} (packed FP4) "
+                                  f"but this weight is stored as {spec.fmt}")
+        _check_shape(ck, name, arr.shape, (want[0], want[1] // 2))
+        if not ck.has(scale_name(name)):
+            raise CheckpointError(f"{ck.describe(name)} is packed FP4 but has no scale tensor "
+                                  f"{scale_name(name)!r}")
+        scale, _ = ck.get(scale_name(name))
+        try:
+            out = quant.dequantize_fp4(np.asarray(arr), np.asarray(scale), cfg.fp4_group)
+        except ValueError as e:
+            raise CheckpointError(f"{ck.describe(name)}: {e}") from e
+    elif kind in _FLOAT_STORAGE:
+        _check_shape(ck, name, arr.shape, want)
+        out = np.asarray(arr, dtype=np.float32)
+    else:
+        raise CheckpointError(f"dtype mismatch: {ck.describe(name)} is {kind}; expected a float "
+                              f"type for this weight (format {spec.fmt})")
+    if out.dtype != np.int32 and not np.all(np.isfinite(out)):
+        raise CheckpointError(f"{ck.describe(name)} contains NaN or infinite values")
+    return out
+
+
+def _check_shape(ck, name, got, want):
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"shape mismatch: {ck.describe(name)} has shape {list(got)}, "
+                              f"expected {list(want)}")
+
+
+def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
+                config: ModelConfig | None = None, include_mtp: bool | None = None,
+                progress: bool = False) -> Params:
+    """Params from an HF-format directory (official or transformers-saved names).
+
+    dtype: the activation/weight dtype; mHC params, sinks, ape, norms and router bias stay
+    float32 (§2.12). include_mtp: None loads the MTP block iff the checkpoint has it.
+    Every missing, unknown, mis-shaped or mis-typed tensor raises `CheckpointError` naming
+    the tensor and its file.
+    """
+    if path is None:
+        path = os.environ.get("DEEPINFER_MODEL_PATH")
+        if not path:
+            raise CheckpointError("no checkpoint path given and DEEPINFER_MODEL_PATH is unset")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    try:
+        cfg = config or ModelConfig.from_hf(path)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}/config.json: {e}") from e
+    ck = _Checkpoint(path)
+    has_mtp = any(n.startswith("mtp.") for n in ck.where)
+    if include_mtp is None:
+        include_mtp = has_mtp
+    if include_mtp and cfg.num_mtp_layers == 0:
+        raise CheckpointError(f"{path}: MTP requested but config has num_nextn_predict_layers=0")
+    specs = param_specs(cfg, include_mtp=include_mtp)
+    prefixes = ckpt_prefixes(cfg, specs)
+    flat_specs, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    flat_prefix = jax.tree.leaves(prefixes)
+    assert jax.tree.structure(prefixes) == jax.tree.structure(specs, is_leaf=is_spec)
+
+    iterator = zip(flat_specs, flat_prefix)
+    if progress:
+        from tqdm.auto import tqdm
+        iterator = tqdm(iterator, total=len(flat_specs), desc=f"loading {os.path.basename(path)}")
+    leaves = []
+    for spec, prefix in iterator:
+        arrays = [_read_weight(ck, name, spec, cfg) for name in tensor_names(spec, prefix)]
+        value = to_internal(spec, arrays)
+        assert value.shape == spec.shape, (spec.ckpt, value.shape, spec.shape)
+        leaves.append(jnp.asarray(value, dtype=leaf_dtype(spec, dtype)))
+
+    unused = sorted(set(ck.where) - ck.used)
+    if not include_mtp:
+        unused = [n for n in unused if not n.startswith("mtp.")]
+    if unused:
+        raise CheckpointError(f"unknown tensor {ck.describe(unused[0])} (not part of a "
+                              f"{cfg.num_hidden_layers}-layer DeepSeek-V4 model); "
+                              f"{len(unused)} unknown in all")
+    return Params(jax.tree.unflatten(treedef, leaves), cfg)
+
+
+# ------------------------------------------------------------------------------- writing
+def save_params(params: Params, path: str | os.PathLike, *, quantize: bool = False,
+                max_shard_bytes: int = 2 * 1024 ** 3) -> None:
+    """Writes an HF-format directory with official names (§5.2).
+
+    quantize=False stores float32 (or the params' dtype); quantize=True stores the official
+    formats: FP8 e4m3 with 128x128 UE8M0 block scales for dense matrices, packed FP4 e2m1
+    with 1x32 UE8M0 scales for routed experts, bf16 / f32 / i64 for the rest (§5.3).
+    """
+    cfg = params.config
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    specs = param_specs(cfg, include_mtp=bool(params["mtp"]))
+    prefixes = ckpt_prefixes(cfg, specs)
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
+    flat_prefix = jax.tree.leaves(prefixes)
+    values = jax.tree.leaves(params.weights)
+    if len(values) != len(flat_specs):
+        raise ValueError("params do not match their config's description")
+
+    tensors: dict[str, np.ndarray] = {}
+    for spec, prefix, value in zip(flat_specs, flat_prefix, values):
+        host = np.asarray(jax.device_get(value))
+        for name, arr in zip(tensor_names(spec, prefix), to_checkpoint(spec, host)):
+            tensors.update(_encode(name, spec, arr, quantize, cfg))
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                 else "model.safetensors")
+        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    if len(shards) > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                       "weight_map": weight_map}, f, indent=1)
+    hf = cfg.to_hf()
+    if quantize:
+        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+                                     "weight_block_size": list(cfg.fp8_block)}
+        hf["expert_dtype"] = "fp4"
+        hf["torch_dtype"] = "bfloat16"
+    else:
+        hf["torch_dtype"] = "float32" if params.dtype == jnp.float32 else str(params.dtype)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+
+
+def _encode(name: str, spec: Spec, arr: np.ndarray, quantize: bool, cfg: ModelConfig):
+    if spec.layout == "index":
+        return {name: arr.astype(np.int64)}
+    arr = arr.astype(np.float32)
+    if not quantize:
+        return {name: arr}
+    if spec.fmt == FP8:
+        q, s = quant.quantize_fp8_block(arr, cfg.fp8_block)
+        return {name: q, scale_name(name): s}
+    if spec.fmt == FP4:
+        q, s = quant.quantize_fp4(arr, cfg.fp4_group)
+        return {name: q, scale_name(name): s}
+    if spec.fmt == BF16:
+        return {name: arr.astype(ml_dtypes.bfloat16)}
+    return {name: arr}

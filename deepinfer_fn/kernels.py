@@ -1,0 +1,158 @@
+"""Kernel registry: one public function per hot op, a pure-XLA reference always present.
+
+The model calls only the public functions here (`grouped_matmul`, `attention`); which
+implementation runs is chosen by platform, overridable with `use(op, impl)` or the
+environment variable `DEEPINFER_KERNELS="op=impl,op=impl"`. Every implementation is tested
+against the XLA reference (tests/test_kernels.py).
+
+Backends:
+  xla         pure XLA, every platform (the reference).
+  mosaic_gpu  Pallas Mosaic GPU kernels for NVIDIA Hopper (registered by `custom_calls`).
+  sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
+  ascend      Huawei Ascend dispatch point: needs CANN 9.2, not built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn.model.common import matmul_precision
+
+
+class KernelUnavailable(RuntimeError):
+    """The requested kernel implementation does not exist for this build or platform."""
+
+
+_REGISTRY: dict[str, dict[str, Callable]] = {}
+_PREFERENCE = {"gpu": ("mosaic_gpu", "xla"), "cpu": ("xla",), "tpu": ("xla",)}
+_OVERRIDES: dict[str, str] = {}
+
+
+def register(op: str, impl: str):
+    def deco(fn):
+        _REGISTRY.setdefault(op, {})[impl] = fn
+        return fn
+    return deco
+
+
+def _unbuilt(op: str, impl: str, why: str):
+    def fn(*args, **kwargs):
+        raise KernelUnavailable(f"kernel {op!r} has no {impl!r} implementation in this build: {why}")
+    register(op, impl)(fn)
+
+
+def implementations(op: str) -> tuple[str, ...]:
+    return tuple(_REGISTRY.get(op, {}))
+
+
+def _env_overrides() -> dict[str, str]:
+    spec = os.environ.get("DEEPINFER_KERNELS", "")
+    pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def choose(op: str, platform: str | None = None) -> str:
+    """The implementation `op` runs with on `platform` (default backend if None)."""
+    impls = _REGISTRY.get(op)
+    if not impls:
+        raise KernelUnavailable(f"unknown kernel op {op!r}; known: {sorted(_REGISTRY)}")
+    forced = _OVERRIDES.get(op) or _env_overrides().get(op)
+    if forced:
+        if forced not in impls:
+            raise KernelUnavailable(f"kernel {op!r} has no implementation {forced!r}; "
+                                    f"available: {sorted(impls)}")
+        return forced
+    platform = platform or jax.default_backend()
+    for impl in _PREFERENCE.get(platform, ("xla",)):
+        if impl in impls and getattr(impls[impl], "available", lambda: True)():
+            return impl
+    return "xla"
+
+
+@contextlib.contextmanager
+def use(op: str, impl: str):
+    """Force `op` to run with `impl` inside the block (tests, benchmarks)."""
+    if impl not in _REGISTRY.get(op, {}):
+        raise KernelUnavailable(f"kernel {op!r} has no implementation {impl!r}")
+    old = _OVERRIDES.get(op)
+    _OVERRIDES[op] = impl
+    try:
+        yield
+    finally:
+        if old is None:
+            _OVERRIDES.pop(op, None)
+        else:
+            _OVERRIDES[op] = old
+
+
+def call(op: str, *args, **kwargs):
+    _ensure_custom_calls_loaded()
+    return _REGISTRY[op][choose(op)](*args, **kwargs)
+
+
+_CUSTOM_LOADED = False
+
+
+def _ensure_custom_calls_loaded():
+    global _CUSTOM_LOADED
+    if not _CUSTOM_LOADED:
+        _CUSTOM_LOADED = True
+        try:
+            import custom_calls  # noqa: F401  registers GPU implementations when importable
+        except ImportError:
+            pass
+
+
+# ------------------------------------------------------------------ grouped matmul (MoE GEMM)
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x [M, K] sorted by group; w [G, K, N]; group_sizes [G] int32 -> [M, N].
+
+    Row block g (group_sizes[g] rows) is multiplied by w[g]. Rows past sum(group_sizes)
+    are zero. fp32 accumulation, result in w's dtype.
+    """
+    return call("grouped_matmul", x, w, group_sizes)
+
+
+@register("grouped_matmul", "xla")
+def _grouped_matmul_xla(x, w, group_sizes):
+    y = jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes.astype(jnp.int32),
+                           precision=matmul_precision(w.dtype),
+                           preferred_element_type=jnp.float32)
+    return y.astype(w.dtype)
+
+
+# ------------------------------------------------------------------ attention
+def attention(q, keys, bias, sinks) -> jax.Array:
+    """Single-KV-head attention with a sink logit (spec §2.8).
+
+    q [B, T, H, d]; keys [B, S, d] (K = V); bias [B, T, S] additive fp32 mask (0 or -inf);
+    sinks [H] fp32. Returns o [B, T, H, d] = softmax([q.k/sqrt(d) + bias, sink]) @ keys,
+    the sink's probability dropped. Logits and softmax in fp32.
+    """
+    return call("attention", q, keys, bias, sinks)
+
+
+@register("attention", "xla")
+def _attention_xla(q, keys, bias, sinks):
+    d = q.shape[-1]
+    dtype = keys.dtype
+    prec = matmul_precision(dtype)
+    logits = jnp.einsum("bthd,bsd->bhts", q.astype(dtype), keys, precision=prec,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    logits = logits + bias[:, None, :, :]
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], logits.shape[:-1] + (1,))
+    full = jnp.concatenate([logits, sink], axis=-1)
+    probs = jax.nn.softmax(full, axis=-1)[..., :-1]
+    out = jnp.einsum("bhts,bsd->bthd", probs.astype(dtype), keys, precision=prec,
+                     preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+
+
+for _op in ("grouped_matmul", "attention"):
+    _unbuilt(_op, "sm100", "no SM100 (Blackwell) hardware was available to build and test it")
+    _unbuilt(_op, "ascend", "the Ascend backend needs CANN 9.2, which this build does not include")

@@ -1,0 +1,1 @@
+"""Pure functions of the DeepSeek-V4 forward pass (spec/model.md §2)."""

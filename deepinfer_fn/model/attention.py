@@ -1,0 +1,74 @@
+"""V4 attention over a whole sequence: window / CSA / HCA with sinks (spec §2.5-§2.8, §4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn import kernels
+from deepinfer_fn.config import CSA, HCA, ModelConfig
+from deepinfer_fn.model.common import einsum, head_rms, linear, rms_norm
+from deepinfer_fn.model.compressor import compress_sequence
+from deepinfer_fn.model.indexer import index_queries, index_scores, select_top_k
+from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+NEG_INF = -jnp.inf
+
+
+def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
+    """q [B,T,H,d] (head-normed, rotated), c_q [B,T,q_lora], kv [B,T,d] (normed, rotated)."""
+    B, T, _ = x.shape
+    eps = cfg.rms_norm_eps
+    c_q = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
+    q = linear(c_q, p["wq_b"]).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
+    q = apply_rope(head_rms(q, eps), cos[:, :, None], sin[:, :, None])
+    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps)
+    return q, c_q, apply_rope(kv, cos, sin)
+
+
+def output_projection(p, o, cos, sin, cfg: ModelConfig):
+    """De-rotate each head at the query position, grouped wo_a, then wo_b (§2.8)."""
+    B, T, H, d = o.shape
+    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+    o = o.reshape(B, T, cfg.o_groups, H // cfg.o_groups * d)
+    z = einsum("btgi,gir->btgr", o, p["wo_a"], out_dtype=p["wo_a"].dtype)
+    return linear(z.reshape(B, T, -1), p["wo_b"])
+
+
+def window_bias(q_pos, k_pos, window: int):
+    """0 where key position s is in (t - window, t], else -inf: [B,T] x [B,S] -> [B,T,S]."""
+    t, s = q_pos[:, :, None], k_pos[:, None, :]
+    ok = (s <= t) & (s > t - window) & (s >= 0)
+    return jnp.where(ok, 0.0, NEG_INF).astype(jnp.float32)
+
+
+def row_visibility(q_pos, n_rows: int, ratio: int):
+    """Row w is visible to query t iff w < floor((t+1)/m) (§4.2): [B,T] -> bool [B,T,N]."""
+    return jnp.arange(n_rows)[None, None, :] < ((q_pos + 1) // ratio)[:, :, None]
+
+
+def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
+    """Attention of one layer over a full sequence from position 0 (no cache).
+
+    x [B,T,D] (after attn_norm); positions [B,T] = arange(T). Returns [B,T,D].
+    """
+    freqs = rope_frequencies(cfg, layer_type)
+    cos, sin = rope_cos_sin(positions, freqs, x.dtype)
+    q, c_q, kv = query_and_kv(p, x, cos, sin, cfg)
+    keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
+    if layer_type in (CSA, HCA):
+        ratio = cfg.compress_ratio_of(layer_type)
+        rows = compress_sequence(p["compressor"], x, ratio, layer_type == CSA, freqs,
+                                 cfg.rms_norm_eps)
+        visible = row_visibility(positions, rows.shape[1], ratio)
+        if layer_type == CSA:
+            ip = p["indexer"]
+            index_rows = compress_sequence(ip["compressor"], x, ratio, True, freqs,
+                                           cfg.rms_norm_eps)
+            q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
+            scores = index_scores(q_index, head_w, index_rows)
+            visible = select_top_k(scores, visible, cfg.index_topk)
+        keys = jnp.concatenate([kv, rows.astype(kv.dtype)], axis=1)
+        bias = jnp.concatenate([bias, jnp.where(visible, 0.0, NEG_INF)], axis=-1)
+    o = kernels.attention(q, keys, bias, p["sinks"])
+    return output_projection(p, o, cos, sin, cfg)

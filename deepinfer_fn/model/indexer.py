@@ -1,0 +1,41 @@
+"""Lightning indexer: scores compressed rows per query and keeps the top-k (spec §2.7, §4.5)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn.model.common import linear
+from deepinfer_fn.model.rope import apply_rope
+
+
+def index_queries(p, c_q, x, cos, sin, cfg):
+    """Indexer queries q_I [B,T,H_I,d_I] (compress RoPE, no norm) and head weights [B,T,H_I]."""
+    B, T, _ = c_q.shape
+    q = linear(c_q, p["wq_b"]).reshape(B, T, cfg.index_n_heads, cfg.index_head_dim)
+    q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    w = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads ** -0.5
+    return q, w
+
+
+def index_scores(q_index, head_weights, index_rows):
+    """I(t, w) = sum_h omega_h relu(q_h . K_w) / sqrt(d_I), fp32: -> [B, T, N]."""
+    d = q_index.shape[-1]
+    dots = jnp.einsum("bthd,bnd->bthn", q_index.astype(jnp.float32),
+                      index_rows.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), head_weights,
+                      precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+
+
+def select_top_k(scores, visible, k: int):
+    """Boolean [B,T,N]: the k = min(k, N) best rows, invisible rows masked to -inf before
+    top-k and dropped after (§4.5). Ties go to the lower row index (lax.top_k)."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    if k == 0:
+        return jnp.zeros_like(visible)
+    masked = jnp.where(visible, scores, -jnp.inf)
+    _, idx = jax.lax.top_k(masked, k)
+    chosen = jnp.zeros(scores.shape, bool)
+    chosen = jnp.put_along_axis(chosen, idx, True, axis=-1, inplace=False)
+    return chosen & visible
