@@ -261,7 +261,7 @@ _IGNORED_KEYS = {
     "quantization_config", "expert_dtype", "num_key_value_heads", "router_aux_loss_coef",
     "output_router_logits", "mlp_bias", "rope_interleave", "pretraining_tp", "max_window_layers",
     "use_sliding_window", "tf_legacy_loss", "use_bfloat16", "_attn_implementation_autoset",
-    "attn_implementation",
+    "attn_implementation", "router_jitter_noise",
 }
 
 _RENAMES = {  # official / legacy spelling -> ModelConfig field

@@ -91,10 +91,13 @@ class _Checkpoint:
                                       f"(listed in the index for tensors such as {names}); "
                                       f"{len(missing)} shard(s) missing in all")
         else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            # Without an index: model.safetensors, else every model*.safetensors (other
+            # .safetensors files in the folder, e.g. reference outputs, are not weights).
+            files = sorted(f for f in os.listdir(path)
+                           if f.startswith("model") and f.endswith(".safetensors"))
             weight_map = None
             if not files:
-                raise CheckpointError(f"no .safetensors files in {path}")
+                raise CheckpointError(f"no model*.safetensors files in {path}")
         self.files = {f: SafetensorsFile(os.path.join(path, f)) for f in files}
         self.where: dict[str, tuple[str, str]] = {}
         for fname, st in self.files.items():

@@ -27,14 +27,12 @@ import math
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 import zlib
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import safetensors
 import transformers

@@ -1,0 +1,62 @@
+"""Shared test set-up: CPU only, offline, persistent compilation cache, golden-file access."""
+
+import os
+import pathlib
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+
+jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Golden:
+    """A transformers reference folder: its checkpoint dir and captured tensors."""
+
+    def __init__(self, name: str):
+        from deepinfer_fn.checkpoint.safetensors_io import SafetensorsFile
+        self.name = name
+        self.path = GOLDEN / name
+        self._ref = SafetensorsFile(self.path / "reference.safetensors")
+
+    def __contains__(self, key):
+        return key in self._ref.keys()
+
+    def __getitem__(self, key) -> np.ndarray:
+        return np.array(self._ref.get(key))
+
+
+_PARAMS = {}
+
+
+def golden_params(name: str):
+    """Params loaded (once per session) from a golden checkpoint."""
+    import deepinfer_fn as di
+    if name not in _PARAMS:
+        _PARAMS[name] = di.load_params(GOLDEN / name)
+    return _PARAMS[name]
+
+
+@pytest.fixture(scope="session")
+def golden():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = Golden(name)
+        return cache[name]
+    return get
+
+
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want|: the parity figure used throughout the tests."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
