@@ -21,7 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from deepinfer_fn.model.common import matmul_precision
+from deepinfer_fn.model.common import einsum, matmul_precision, operand_dtype
 
 
 class KernelUnavailable(RuntimeError):
@@ -120,7 +120,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
 
 @register("grouped_matmul", "xla")
 def _grouped_matmul_xla(x, w, group_sizes):
-    y = jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes.astype(jnp.int32),
+    fed = operand_dtype(w.dtype)
+    y = jax.lax.ragged_dot(x.astype(w.dtype).astype(fed), w.astype(fed), group_sizes.astype(jnp.int32),
                            precision=matmul_precision(w.dtype),
                            preferred_element_type=jnp.float32)
     return y.astype(w.dtype)
@@ -141,16 +142,13 @@ def attention(q, keys, bias, sinks) -> jax.Array:
 def _attention_xla(q, keys, bias, sinks):
     d = q.shape[-1]
     dtype = keys.dtype
-    prec = matmul_precision(dtype)
-    logits = jnp.einsum("bthd,bsd->bhts", q.astype(dtype), keys, precision=prec,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    logits = einsum("bthd,bsd->bhts", q, keys, out_dtype=jnp.float32, dtype=dtype)
+    logits = logits / jnp.sqrt(jnp.float32(d))
     logits = logits + bias[:, None, :, :]
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], logits.shape[:-1] + (1,))
     full = jnp.concatenate([logits, sink], axis=-1)
     probs = jax.nn.softmax(full, axis=-1)[..., :-1]
-    out = jnp.einsum("bhts,bsd->bthd", probs.astype(dtype), keys, precision=prec,
-                     preferred_element_type=jnp.float32)
-    return out.astype(dtype)
+    return einsum("bhts,bsd->bthd", probs, keys, out_dtype=dtype, dtype=dtype)
 
 
 for _op in ("grouped_matmul", "attention"):

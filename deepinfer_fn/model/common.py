@@ -18,10 +18,21 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(w.dtype)
 
 
-def einsum(spec: str, *operands, out_dtype) -> jax.Array:
-    dtype = operands[-1].dtype
-    y = jnp.einsum(spec, *[o.astype(dtype) for o in operands], precision=matmul_precision(dtype),
-                   preferred_element_type=jnp.float32)
+def operand_dtype(dtype):
+    """The dtype dot operands are fed in. XLA:CPU has no batched bf16 x bf16 -> f32 dot, so
+    on CPU bf16 operands are widened to f32 first: the products of bf16 values are exact in
+    f32 and accumulation is f32 anyway, so the result is the same as on an accelerator."""
+    if dtype != jnp.float32 and jax.default_backend() == "cpu":
+        return jnp.float32
+    return dtype
+
+
+def einsum(spec: str, *operands, out_dtype, dtype=None) -> jax.Array:
+    """einsum with operands in `dtype` (default: the last operand's), fp32 accumulation."""
+    dtype = dtype or operands[-1].dtype
+    fed = operand_dtype(dtype)
+    y = jnp.einsum(spec, *[o.astype(dtype).astype(fed) for o in operands],
+                   precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 

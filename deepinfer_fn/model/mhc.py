@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_fn.model.common import rms
+from deepinfer_fn.model.common import einsum, rms
 
 
 def _stream_logits(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
@@ -52,9 +52,7 @@ def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
 def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j P[j,k] X_j  (P^T X, not P X: §2.3 step 7, §4.13)."""
     dtype = streams.dtype
-    prec = jax.lax.Precision.HIGHEST
-    mixed = jnp.einsum("...jk,...jd->...kd", comb.astype(dtype), streams, precision=prec,
-                       preferred_element_type=jnp.float32)
+    mixed = einsum("...jk,...jd->...kd", comb, streams, out_dtype=jnp.float32, dtype=dtype)
     out = post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)
     return out.astype(dtype)
 
