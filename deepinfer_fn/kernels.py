@@ -151,6 +151,38 @@ def _attention_xla(q, keys, bias, sinks):
     return einsum("bhts,bsd->bthd", probs, keys, out_dtype=dtype, dtype=dtype)
 
 
-for _op in ("grouped_matmul", "attention"):
+# ------------------------------------------------------------------ sparse (decode) attention
+def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks) -> jax.Array:
+    """Attention of S new tokens over window keys plus selected compressed rows (spec §2.8).
+
+    q [B,S,H,d]; window_kv [B,Wk,d] (ring slots and/or the chunk's own keys, K = V);
+    window_bias [B,S,Wk] fp32 additive (0 or -inf); rows [B,N,d] compressed rows;
+    row_idx [B,S,K] int32 indices into rows, -1 = no row (masked); sinks [H] fp32.
+    One softmax over [window logits, row logits, sink]; the sink's value is zero.
+    Returns o [B,S,H,d] in rows' dtype. Logits and softmax in fp32.
+    """
+    return call("sparse_attention", q, window_kv, window_bias, rows, row_idx, sinks)
+
+
+@register("sparse_attention", "xla")
+def _sparse_attention_xla(q, window_kv, window_bias, rows, row_idx, sinks):
+    d = q.shape[-1]
+    dtype = window_kv.dtype
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    gathered = jnp.take_along_axis(rows[:, None], jnp.maximum(row_idx, 0)[..., None], axis=2)
+    logits_w = einsum("bshd,bwd->bhsw", q, window_kv, out_dtype=jnp.float32, dtype=dtype) * scale
+    logits_w = logits_w + window_bias[:, None]
+    logits_r = einsum("bshd,bskd->bhsk", q, gathered, out_dtype=jnp.float32, dtype=dtype) * scale
+    logits_r = jnp.where((row_idx >= 0)[:, None], logits_r, -jnp.inf)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], logits_w.shape[:-1] + (1,))
+    probs = jax.nn.softmax(jnp.concatenate([logits_w, logits_r, sink], axis=-1), axis=-1)
+    wk = window_kv.shape[1]
+    out = einsum("bhsw,bwd->bshd", probs[..., :wk], window_kv, out_dtype=jnp.float32, dtype=dtype)
+    out = out + einsum("bhsk,bskd->bshd", probs[..., wk:-1], gathered, out_dtype=jnp.float32,
+                       dtype=dtype)
+    return out.astype(dtype)
+
+
+for _op in ("grouped_matmul", "attention", "sparse_attention"):
     _unbuilt(_op, "sm100", "no SM100 (Blackwell) hardware was available to build and test it")
     _unbuilt(_op, "ascend", "the Ascend backend needs CANN 9.2, which this build does not include")

@@ -27,15 +27,21 @@ def index_scores(q_index, head_weights, index_rows):
                       precision=jax.lax.Precision.HIGHEST) * d ** -0.5
 
 
-def select_top_k(scores, visible, k: int):
-    """Boolean [B,T,N]: the k = min(k, N) best rows, invisible rows masked to -inf before
-    top-k and dropped after (§4.5). Ties go to the lower row index (lax.top_k)."""
-    n = scores.shape[-1]
-    k = min(k, n)
-    if k == 0:
-        return jnp.zeros_like(visible)
+def top_k_rows(scores, visible, k: int):
+    """Row indices [B,T,min(k,N)] of the best visible rows, -1 where a selected row is
+    invisible: invisible rows are masked to -inf before top-k and dropped after (§4.5).
+    Ties go to the lower row index (lax.top_k)."""
+    k = min(k, scores.shape[-1])
     masked = jnp.where(visible, scores, -jnp.inf)
     _, idx = jax.lax.top_k(masked, k)
+    return jnp.where(jnp.take_along_axis(visible, idx, axis=-1), idx, -1).astype(jnp.int32)
+
+
+def select_top_k(scores, visible, k: int):
+    """Boolean [B,T,N] form of `top_k_rows`."""
+    if min(k, scores.shape[-1]) == 0:
+        return jnp.zeros_like(visible)
+    idx = top_k_rows(scores, visible, k)
     chosen = jnp.zeros(scores.shape, bool)
-    chosen = jnp.put_along_axis(chosen, idx, True, axis=-1, inplace=False)
+    chosen = jnp.put_along_axis(chosen, jnp.maximum(idx, 0), True, axis=-1, inplace=False)
     return chosen & visible

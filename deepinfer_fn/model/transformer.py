@@ -19,20 +19,25 @@ def _mhc(p, streams, cfg: ModelConfig):
                        iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
 
+def sublayer(hc, norm, streams, fn: Callable, cfg: ModelConfig):
+    """mHC collapse -> RMSNorm -> fn -> mHC expand. fn(h [B,T,D]) -> (y [B,T,D], aux)."""
+    pre, post, comb = _mhc(hc, streams, cfg)
+    h = rms_norm(collapse(streams, pre), norm, cfg.rms_norm_eps)
+    y, aux = fn(h)
+    return expand(streams, y, post, comb), aux
+
+
 def block(lp, streams, token_ids, positions, layer_type: str, mlp_type: str, cfg: ModelConfig,
           attention: Callable = attention_sequence):
-    """One layer: mHC collapse -> attention -> expand; mHC collapse -> MoE -> expand.
+    """One layer over a whole sequence: attention sub-layer then MoE sub-layer (§2.0).
 
-    streams [B,T,n,D]; token_ids/positions [B,T]. `attention(p, x, positions, type, cfg)`
-    is the attention variant (whole sequence here; cached variants plug in the same way).
+    streams [B,T,n,D]; token_ids/positions [B,T]. Returns the new streams.
     """
-    eps = cfg.rms_norm_eps
-    pre, post, comb = _mhc(lp["hc_attn"], streams, cfg)
-    h = rms_norm(collapse(streams, pre), lp["attn_norm"], eps)
-    streams = expand(streams, attention(lp["attn"], h, positions, layer_type, cfg), post, comb)
-    pre, post, comb = _mhc(lp["hc_ffn"], streams, cfg)
-    h = rms_norm(collapse(streams, pre), lp["ffn_norm"], eps)
-    return expand(streams, moe_layer(lp["ffn"], h, token_ids, mlp_type, cfg), post, comb)
+    streams, _ = sublayer(lp["hc_attn"], lp["attn_norm"], streams,
+                          lambda h: (attention(lp["attn"], h, positions, layer_type, cfg), None), cfg)
+    streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
+                          lambda h: (moe_layer(lp["ffn"], h, token_ids, mlp_type, cfg), None), cfg)
+    return streams
 
 
 def embed(params, token_ids):
@@ -57,6 +62,40 @@ def head_logits(hc_head, norm, head, streams, cfg: ModelConfig):
     h = rms_norm(h, norm, cfg.rms_norm_eps)
     return jnp.matmul(h.astype(head.dtype), head, preferred_element_type=jnp.float32,
                       precision=jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None)
+
+
+def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False):
+    """Processes a chunk against a decode state (prefill chunk, decode step, or k-token verify).
+
+    token_ids [B,S] int32 (entries past n_new[b] are padding); n_new [B] int32 in [0, S].
+    Returns (logits, new_state, streams): logits float32 [B,S,V] if all_logits, else the
+    logits of each row's last valid token [B,V] (rows with n_new = 0: garbage, state
+    unchanged); streams [B,S,n,D] the final residual streams (MTP input).
+    """
+    from deepinfer_fn.model.cached import attention_chunk
+    from deepinfer_fn.state import DecodeState
+
+    cfg = params.config
+    B, S = token_ids.shape
+    token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1)
+    start = state.lengths
+    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)
+    streams = embed(params, token_ids)
+    new_layers = []
+    for lp, ls, lt, mt in zip(params["layers"], state.layers, cfg.layer_types, cfg.mlp_layer_types):
+        streams, new_ls = sublayer(
+            lp["hc_attn"], lp["attn_norm"], streams,
+            lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg), cfg)
+        streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
+                              lambda h: (moe_layer(lp["ffn"], h, token_ids, mt, cfg), None), cfg)
+        new_layers.append(new_ls)
+    new_state = DecodeState(tuple(new_layers), start + n_new, state.max_len, state.window_slots)
+    head = lambda s: head_logits(params["hc_head"], params["norm"], params["head"], s, cfg)
+    if all_logits:
+        return head(streams), new_state, streams
+    last = jnp.clip(n_new - 1, 0, S - 1)
+    last_streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)
+    return head(last_streams)[:, 0], new_state, streams
 
 
 def logits_and_streams(params, token_ids):

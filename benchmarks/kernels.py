@@ -1,0 +1,444 @@
+"""Kernel benchmark on one GPU: XLA reference vs Pallas Mosaic GPU (custom_calls/).
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/kernels.py --out benchmarks/results
+
+(a) grouped_matmul for the `mini` preset's MoE (hidden 2048, moe_intermediate 512, 64 experts,
+    top-6) at decode (tokens 1, 16, 64: M = 6 * tokens) and prefill (tokens 4096), both
+    w1 (2048 -> 512) and w2 (512 -> 2048).
+(b) sparse_attention decode: B = 1, 16, 64, S = 1, H = 32, d = 512, Wk = 128, K = 512 rows
+    selected from N = 4096 compressed rows a sequence.
+
+Each case is checked against the XLA reference first (relative Frobenius error, NaNs), then
+timed: compile and warm up, then the median (and 10th / 90th percentiles) of many
+iterations of GPU time as CUPTI reports it (the sum of the kernels one call launches: host
+dispatch excluded), rotating over several input sets so that the L2 cache (60 MB) does not
+hold the weights / rows between iterations. Falls back to wall clock around
+block_until_ready when CUPTI is unavailable (the JSON says which).
+Ceilings measured in the same run: HBM bandwidth by a large on-device copy (bytes read +
+written), bf16 matrix rate by an 8192^3 product. Bytes counted are those that must move:
+each input read once (for grouped_matmul only the experts that receive rows), each output
+written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from deepinfer_fn import kernels  # noqa: E402
+
+kernels._ensure_custom_calls_loaded()
+from custom_calls import grouped_matmul as gmm_mod  # noqa: E402
+from custom_calls import sparse_attention as sa_mod  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOPK = 2048, 512, 64, 6
+RESULTS: dict = {"cases": [], "errors": [], "checks": []}
+SPARSE = dict(h=32, d=512, wk=128, k=512)
+GROUPED_TOKENS = (1, 16, 64, 4096)
+SPARSE_BATCH = (1, 16, 64)
+DRY: dict = {}  # --dry: tiny shapes, kernels in GPU interpret mode, wall clock (plumbing test on CPU)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------------ timing
+_CUPTI_OK = [True]
+
+
+def bench(f, arg_sets, iters=40):
+    if DRY:
+        iters = 2
+    """Median GPU time (µs) of f over rotating argument sets, with p10 / p90."""
+    jf = jax.jit(f)
+    for a in arg_sets:
+        jax.block_until_ready(jf(*a))
+    t0 = time.perf_counter()
+    for a in arg_sets:
+        jax.block_until_ready(jf(*a))
+    per_call = (time.perf_counter() - t0) / len(arg_sets)
+    iters = int(max(DRY.get("iters", 5), min(iters, 1.5 / max(per_call, 1e-6))))  # cap ~1.5 s
+    times, method = [], "cupti"
+    if _CUPTI_OK[0] and not DRY:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+            meas = profiler.measure(jf)
+            for i in range(iters):
+                out, t = meas(*arg_sets[i % len(arg_sets)])
+                if t is None:
+                    raise RuntimeError("CUPTI saw no kernel")
+                times.append(t * 1e3)
+        except Exception as e:  # noqa: BLE001
+            log(f"  CUPTI timing failed ({type(e).__name__}: {e}); wall clock from now on")
+            _CUPTI_OK[0] = False
+            times = []
+    if not times:
+        method = "wallclock"
+        for i in range(iters):
+            a = arg_sets[i % len(arg_sets)]
+            t0 = time.perf_counter()
+            jax.block_until_ready(jf(*a))
+            times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    n = len(times)
+    return {"us": statistics.median(times), "p10": times[n // 10], "p90": times[(9 * n) // 10],
+            "iters": n, "timing": method}
+
+
+def _interp():
+    return {"interpret": True} if DRY else {}
+
+
+def rel_err(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    nan = int(np.isnan(got).sum())
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)), nan
+
+
+def check(name, got, want, tol=1e-2, extra=None):
+    err, nan = rel_err(got, want)
+    ok = nan == 0 and err < tol
+    rec = {"name": name, "rel_err": err, "nans": nan, "ok": bool(ok), **(extra or {})}
+    RESULTS["checks"].append(rec)
+    log(f"  check {name}: rel_err={err:.2e} nans={nan} {'OK' if ok else 'FAIL'}")
+    return ok
+
+
+def guarded(label):
+    def deco(fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            t0 = time.time()
+            try:
+                return fn(*a, **k)
+            except Exception as e:  # noqa: BLE001
+                tb = traceback.format_exc()
+                log(f"!! {label} failed: {type(e).__name__}: {str(e)[:2000]}")
+                RESULTS["errors"].append({"where": label, "error": f"{type(e).__name__}: {e}"[:4000],
+                                          "traceback": tb[-6000:]})
+            finally:
+                log(f"  [{label}: {time.time() - t0:.1f}s]")
+        return run
+    return deco
+
+
+# ------------------------------------------------------------------ ceilings
+@guarded("peaks")
+def peaks():
+    shape = (1024, 1024) if DRY else (49152, 32768)  # 3 GiB of bf16: 6 GiB moved a copy
+    n = shape[0] * shape[1]
+    x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+    r = bench(lambda a: a + jnp.bfloat16(1), [(x,)], iters=20)
+    bw = 2 * n * 2 / (r["us"] * 1e-6) / 1e12
+    del x
+    mm = 256 if DRY else 8192
+    a = jax.random.normal(jax.random.key(1), (mm, mm), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (mm, mm), jnp.bfloat16)
+    rm = bench(lambda p, q: p @ q, [(a, b)], iters=20)
+    tf = 2 * mm ** 3 / (rm["us"] * 1e-6) / 1e12
+    RESULTS["peaks"] = {"hbm_copy_TBps": bw, "copy_us": r["us"], "bf16_matmul_TFLOPs": tf,
+                        "matmul_us": rm["us"], "timing": r["timing"]}
+    log(f"peaks: copy {bw:.2f} TB/s ({r['us']:.0f} us for {4 * n / 2**30:.1f} GiB moved), "
+        f"bf16 8192^3 matmul {tf:.0f} TFLOP/s")
+
+
+# ------------------------------------------------------------------ grouped matmul
+def routing(rng, tokens):
+    """Top-6 of 64 experts a token, distinct; rows sorted by expert -> group sizes."""
+    choice = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOPK]
+    return np.bincount(choice.ravel(), minlength=EXPERTS).astype(np.int32)
+
+
+@guarded("grouped_matmul correctness extras")
+def grouped_extra_checks():
+    rng = np.random.default_rng(7)
+    # Odd shapes: M, K, N not tile multiples, empty groups, 5 padding rows.
+    m, k, n, g = 70, 96, 80, 5
+    sizes = np.array([20, 0, 31, 14, 0], np.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    got = jax.jit(functools.partial(gmm_mod.grouped_matmul_mgpu, **_interp()))(x, w, jnp.asarray(sizes))
+    want = kernels._grouped_matmul_xla(x, w, jnp.asarray(sizes))
+    tail = float(np.abs(np.asarray(got[65:], np.float32)).max())
+    check("grouped odd shapes 70x96x80 G=5", got, want, extra={"tail_rows_absmax": tail})
+    if tail != 0.0:
+        RESULTS["errors"].append({"where": "grouped odd shapes", "error": f"tail rows not zero: {tail}"})
+    # Decode with padding rows: 3 tokens' rows in an 8-token buffer (M = 48, 30 real rows).
+    sizes = routing(rng, 5)
+    x = jnp.asarray(rng.standard_normal((48, HIDDEN)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((EXPERTS, HIDDEN, INTER)) / np.sqrt(HIDDEN), jnp.bfloat16)
+    if DRY:
+        return
+    got = jax.jit(gmm_mod.grouped_matmul_mgpu)(x, w, jnp.asarray(sizes))
+    want = kernels._grouped_matmul_xla(x, w, jnp.asarray(sizes))
+    tail = float(np.abs(np.asarray(got[30:], np.float32)).max())
+    check("grouped decode with 18 padding rows", got, want, extra={"tail_rows_absmax": tail})
+    if tail != 0.0:
+        RESULTS["errors"].append({"where": "grouped decode padding", "error": f"tail rows not zero: {tail}"})
+
+
+def shipped_ragged_dot(x, w, gs, block_m):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, block_m=block_m, block_n=128,
+                                      block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+@guarded("grouped_matmul")
+def grouped_case(tokens, which, variants, shipped, nsets):
+    k, n = (HIDDEN, INTER) if which == "w1" else (INTER, HIDDEN)
+    m = TOPK * tokens
+    rng = np.random.default_rng(tokens * 10 + (which == "w2"))
+    sets = []
+    for i in range(nsets):
+        sizes = routing(rng, tokens)
+        x = jax.random.normal(jax.random.key(100 + i), (m, k), jnp.bfloat16)
+        w = (jax.random.normal(jax.random.key(200 + i), (EXPERTS, k, n), jnp.float32)
+             / np.sqrt(k)).astype(jnp.bfloat16)
+        sets.append((x, w, jnp.asarray(sizes)))
+    used = float(np.mean([int((np.asarray(s[2]) > 0).sum()) for s in sets]))
+    flops = 2.0 * m * k * n
+    bytes_ = m * k * 2 + used * k * n * 2 + m * n * 2
+    x0, w0, g0 = sets[0]
+    want = jax.jit(kernels._grouped_matmul_xla)(x0, w0, g0)
+    label = f"grouped_matmul {which} tokens={tokens} M={m} K={k} N={n}"
+    log(label)
+    impls = [("xla", kernels._grouped_matmul_xla, {})]
+    for name, cfg in variants:
+        impls.append((name, functools.partial(gmm_mod.grouped_matmul_mgpu, **cfg, **_interp()), cfg))
+    bm = 64 if m < 1024 else 128
+    if shipped and m % bm == 0:
+        impls.append((f"jax_ragged_dot_mgpu(bm={bm})",
+                      lambda x, w, g, bm=bm: shipped_ragged_dot(x, w, g, bm), {}))
+    for name, fn, cfg in impls:
+        try:
+            if name != "xla":
+                got = jax.jit(fn)(x0, w0, g0)
+                ok = check(f"{label} {name}", got, want)
+                if not ok and not name.startswith("jax_"):
+                    continue
+            r = bench(fn, sets)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
+            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
+                                      "traceback": traceback.format_exc()[-6000:]})
+            continue
+        rec = {"op": "grouped_matmul", "case": f"{which} tokens={tokens}", "impl": name,
+               "tokens": tokens, "M": m, "K": k, "N": n, "experts_used": used, "config": cfg,
+               "flops": flops, "bytes": bytes_, **r,
+               "TFLOPs": flops / (r["us"] * 1e-6) / 1e12, "TBps": bytes_ / (r["us"] * 1e-6) / 1e12}
+        RESULTS["cases"].append(rec)
+        log(f"  {name:34s} {r['us']:9.1f} us  (p10 {r['p10']:.1f} p90 {r['p90']:.1f})  "
+            f"{rec['TFLOPs']:7.1f} TFLOP/s  {rec['TBps']:5.2f} TB/s")
+
+
+# ------------------------------------------------------------------ sparse attention
+def sparse_inputs(seed, b, s, h, d, wk, n, k, masked=False):
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (b, s, h, d), jnp.bfloat16)
+    win = jax.random.normal(k2, (b, wk, d), jnp.bfloat16)
+    rows = jax.random.normal(k3, (b, n, d), jnp.bfloat16)
+    idx = np.argsort(rng.random((b, s, n)), axis=-1)[..., :k].astype(np.int32)
+    vis = np.ones((b, s, wk), bool)
+    if masked:
+        vis = rng.random((b, s, wk)) < 0.7
+        idx[rng.random((b, s, k)) < 0.2] = -1
+    wb = jnp.asarray(np.where(vis, 0.0, -np.inf), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    return q, win, wb, rows, jnp.asarray(idx), sinks
+
+
+@guarded("sparse_attention correctness extras")
+def sparse_extra_checks():
+    shapes = [(3, 2, 64, 512, 136, 700, 512), (2, 1, 32, 512, 128, 300, 200),
+              (1, 1, 16, 256, 40, 50, 30)]
+    for shape in shapes[-1:] if DRY else shapes:
+        args = sparse_inputs(sum(shape), *shape, masked=True)
+        want = jax.jit(kernels._sparse_attention_xla)(*args)
+        for sp in (None, 1):
+            got = jax.jit(functools.partial(sa_mod.sparse_attention_mgpu, splits=sp, **_interp()))(*args)
+            check(f"sparse masked B,S,H,d,Wk,N,K={shape} splits={sp}", got, want)
+
+
+@guarded("sparse_attention")
+def sparse_case(b, variants, n_rows=4096, nsets=3):
+    s, h, d, wk, k = 1, SPARSE["h"], SPARSE["d"], SPARSE["wk"], SPARSE["k"]
+    n_rows = SPARSE.get("n", n_rows)
+    sets = [sparse_inputs(1000 * b + i, b, s, h, d, wk, n_rows, k) for i in range(nsets)]
+    flops = 4.0 * b * s * h * (wk + k) * d
+    bytes_ = (b * s * h * d * 2 + b * wk * d * 2 + b * s * k * d * 2 + b * s * k * 4
+              + b * s * wk * 4 + b * s * h * d * 2)
+    want = jax.jit(kernels._sparse_attention_xla)(*sets[0])
+    label = f"sparse_attention B={b} S={s} H={h} d={d} Wk={wk} K={k} N={n_rows}"
+    log(label)
+    impls = [("xla", kernels._sparse_attention_xla, {})]
+    for name, cfg in variants:
+        impls.append((name, functools.partial(sa_mod.sparse_attention_mgpu, **cfg, **_interp()), cfg))
+    # The XLA half of the mosaic pipeline alone (gather + concat), to split its time.
+    impls.append(("mgpu: XLA gather part only",
+                  lambda q, win, wb, rows, idx, sk: sa_mod.gather_keys(win, wb, rows, idx, 64), None))
+    for name, fn, cfg in impls:
+        try:
+            if cfg is not None and name != "xla":
+                got = jax.jit(fn)(*sets[0])
+                if not check(f"{label} {name}", got, want):
+                    continue
+            r = bench(fn, sets)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
+            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
+                                      "traceback": traceback.format_exc()[-6000:]})
+            continue
+        rec = {"op": "sparse_attention", "case": f"B={b}", "impl": name, "B": b, "S": s, "H": h,
+               "d": d, "Wk": wk, "K": k, "N": n_rows, "config": cfg, "flops": flops,
+               "bytes": bytes_, **r, "TFLOPs": flops / (r["us"] * 1e-6) / 1e12,
+               "TBps": bytes_ / (r["us"] * 1e-6) / 1e12}
+        RESULTS["cases"].append(rec)
+        log(f"  {name:34s} {r['us']:9.1f} us  (p10 {r['p10']:.1f} p90 {r['p90']:.1f})  "
+            f"{rec['TFLOPs']:7.2f} TFLOP/s  {rec['TBps']:5.2f} TB/s")
+
+
+# ------------------------------------------------------------------ report
+def table():
+    pk = RESULTS.get("peaks", {})
+    bw, tf = pk.get("hbm_copy_TBps"), pk.get("bf16_matmul_TFLOPs")
+    lines = [f"device: {RESULTS['device']}   copy {bw and round(bw, 2)} TB/s   "
+             f"bf16 matmul {tf and round(tf)} TFLOP/s   timing: "
+             f"{sorted(set(c['timing'] for c in RESULTS['cases']))}",
+             f"{'op':16s} {'case':18s} {'impl':34s} {'us':>9s} {'TFLOP/s':>8s} {'TB/s':>6s} "
+             f"{'%peakBW':>7s} {'%peakMM':>7s} {'vs xla':>7s}"]
+    xla = {(c["op"], c["case"]): c["us"] for c in RESULTS["cases"] if c["impl"] == "xla"}
+    for c in RESULTS["cases"]:
+        pb = 100 * c["TBps"] / bw if bw else float("nan")
+        pm = 100 * c["TFLOPs"] / tf if tf else float("nan")
+        c["pct_peak_bw"], c["pct_peak_matmul"] = pb, pm
+        sp = xla.get((c["op"], c["case"]), float("nan")) / c["us"]
+        c["speedup_vs_xla"] = sp
+        lines.append(f"{c['op']:16s} {c['case']:18s} {c['impl'][:34]:34s} {c['us']:9.1f} "
+                     f"{c['TFLOPs']:8.1f} {c['TBps']:6.2f} {pb:7.1f} {pm:7.1f} {sp:7.2f}")
+    bad = [c for c in RESULTS["checks"] if not c["ok"]]
+    lines.append(f"checks: {len(RESULTS['checks']) - len(bad)}/{len(RESULTS['checks'])} OK; "
+                 f"errors: {len(RESULTS['errors'])}")
+    for c in bad:
+        lines.append(f"  FAILED CHECK {c['name']} rel_err={c['rel_err']:.2e} nans={c['nans']}")
+    for e in RESULTS["errors"]:
+        lines.append(f"  ERROR {e['where']}: {e['error'][:300]}")
+    return "\n".join(lines)
+
+
+def plot(path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    for ax, op in zip(axes, ("grouped_matmul", "sparse_attention")):
+        cs = [c for c in RESULTS["cases"] if c["op"] == op and not c["impl"].startswith("mgpu: ")]
+        cases = list(dict.fromkeys(c["case"] for c in cs))
+        impls = list(dict.fromkeys(c["impl"] for c in cs))
+        wdt = 0.8 / max(len(impls), 1)
+        for j, im in enumerate(impls):
+            xs, ys = [], []
+            for i, cs_ in enumerate(cases):
+                v = [c["us"] for c in cs if c["case"] == cs_ and c["impl"] == im]
+                if v:
+                    xs.append(i + j * wdt)
+                    ys.append(v[0])
+            ax.bar(xs, ys, wdt, label=im)
+        ax.set_xticks([i + 0.4 - wdt / 2 for i in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("GPU time (us, median)")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--quick", action="store_true", help="fewer variants")
+    ap.add_argument("--only", default="", help="comma list: peaks,grouped,sparse,gchecks,schecks")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--dry", action="store_true",
+                    help="CPU plumbing test: tiny shapes, kernels in GPU interpret mode")
+    args = ap.parse_args()
+    if args.dry:
+        global HIDDEN, INTER, EXPERTS, GROUPED_TOKENS, SPARSE_BATCH
+        HIDDEN, INTER, EXPERTS, GROUPED_TOKENS, SPARSE_BATCH = 128, 64, 8, (1, 16), (1,)
+        SPARSE.update(h=8, d=128, wk=64, k=64, n=256)
+        DRY.update(iters=2)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = jax.devices()[0]
+    RESULTS["device"] = f"{dev.device_kind} (cc {getattr(dev, 'compute_capability', '?')})"
+    RESULTS["jax"] = jax.__version__
+    RESULTS["host"] = platform.node()
+    RESULTS["command"] = " ".join(sys.argv)
+    log(f"device {RESULTS['device']}, jax {jax.__version__}, "
+        f"mosaic available: {gmm_mod.grouped_matmul_mgpu.available()}")
+    only = set(filter(None, args.only.split(","))) or {"peaks", "grouped", "sparse", "gchecks",
+                                                       "schecks"}
+    t0 = time.time()
+    if "peaks" in only:
+        peaks()
+    if "gchecks" in only:
+        grouped_extra_checks()
+    if "schecks" in only:
+        sparse_extra_checks()
+    if "grouped" in only:
+        for which in ("w1", "w2"):
+            for tokens in GROUPED_TOKENS:
+                if tokens < 4096:
+                    variants = [("mosaic_gpu", {})]
+                    if not args.quick and tokens != 16:
+                        variants.append(("mosaic_gpu bn=128 steps=4",
+                                         dict(block_n=128, max_concurrent_steps=4)))
+                else:
+                    variants = [("mosaic_gpu", {})]
+                    if not args.quick:
+                        variants.append(("mosaic_gpu bm=64 bn=128 steps=6",
+                                         dict(block_m=64, block_n=128, max_concurrent_steps=6)))
+                grouped_case(tokens, which, variants,
+                             shipped=tokens >= 16 and not args.quick and not args.dry,
+                             nsets=1 if tokens == 4096 else 4)
+    if "sparse" in only:
+        for b in SPARSE_BATCH:
+            variants = [("mosaic_gpu", {})]
+            if not args.quick:
+                if b > 1:
+                    variants.append(("mosaic_gpu splits=1", dict(splits=1)))
+                variants.append(("mosaic_gpu bk=32 stages=4", dict(block_k=32, stages=4)))
+            sparse_case(b, variants)
+    RESULTS["wall_s"] = time.time() - t0
+    txt = table()
+    tag = ("h200" if "H200" in RESULTS["device"] else "gpu") + (f"_{args.tag}" if args.tag else "")
+    (out / f"kernels_{tag}.json").write_text(json.dumps(RESULTS, indent=1, default=float))
+    (out / f"kernels_{tag}.txt").write_text(txt + "\n")
+    plot(out / f"kernels_{tag}.png")
+    log("\n" + txt)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""MoE grouped GEMM for Hopper in Pallas Mosaic GPU (registered as `grouped_matmul`/`mosaic_gpu`).
+
+    y[M, N] = x[M, K] @ w[g(row), K, N],  rows sorted by group, group_sizes [G] int32.
+
+The ideas are those of JAX's shipped `pallas/ops/gpu/ragged_dot_mgpu.py` (a persistent
+grid over the SMs, a TMA + wgmma pipeline over K per output tile, a logarithmic ladder of
+TMA stores so that a tile writes only the rows of its own group), with two changes that
+matter for MoE decode and for the registry's contract:
+
+* the work list is computed outside the kernel, in XLA, from `group_sizes`: one work item
+  per (row block, group) pair that holds rows of that group. Empty groups cost nothing
+  (the shipped kernel spends a full tile, streaming that expert's weights, on an empty
+  group whose start is not block-aligned: at decode that is almost all 64 experts);
+* rows past sum(group_sizes) are written with zeros (one extra work item per row block of
+  the tail), so the output never holds uninitialised memory.
+
+Operands must be bf16 or fp16 (the wgmma input types); fp32 inputs are served by the XLA
+reference (`grouped_matmul_mgpu` falls back to it). Accumulation is fp32; the output has w's
+dtype. M is padded to the row block (cheap: activations), K and N to the tile sizes only
+when they are not multiples (that pads w, a full copy of the weights: avoid such shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from custom_calls._common import maybe_interpret, on_hopper, round_up
+
+NUM_SMS = 132  # H100 SXM / H200: the persistent grid size
+
+
+def _work_list(group_sizes, m_pad: int, block_m: int):
+    """Static-size work list for the kernel, computed in XLA.
+
+    Returns meta int32 [4, T] (group id, row block, first row, end row within the block; a
+    group id of G means "write zeros") and n_items int32 [1]. Items past n_items are unused.
+    Groups G (a pseudo group) covers the tail rows [sum(group_sizes), m_pad).
+    """
+    g = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m_pad)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    total = ends[-1]
+    starts = jnp.concatenate([starts, total[None]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m_pad, jnp.int32)])
+    nonempty = ends > starts
+    first_blk = starts // block_m
+    last_blk = jnp.maximum(ends - 1, 0) // block_m
+    ntiles = jnp.where(nonempty, last_blk - first_blk + 1, 0)
+    tiles_end = jnp.cumsum(ntiles)
+    n_items = tiles_end[-1]
+    t_max = m_pad // block_m + g  # each group adds at most one partial block
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    grp = jnp.searchsorted(tiles_end, t, side="right").astype(jnp.int32)
+    grp_c = jnp.minimum(grp, g)
+    blk = first_blk[grp_c] + (t - (tiles_end[grp_c] - ntiles[grp_c]))
+    lo = jnp.maximum(starts[grp_c], blk * block_m) - blk * block_m
+    hi = jnp.minimum(ends[grp_c], blk * block_m + block_m) - blk * block_m
+    valid = t < n_items
+    meta = jnp.stack([jnp.where(valid, grp_c, g), jnp.where(valid, blk, 0),
+                      jnp.where(valid, lo, 0), jnp.where(valid, hi, 0)]).astype(jnp.int32)
+    return meta, n_items.reshape(1).astype(jnp.int32)
+
+
+def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, block_m: int, block_n: int):
+    """Copy rows [lo, hi) of o_smem to o_gmem rows [row0 + lo, row0 + hi), cols [col0, +bn).
+
+    TMA boxes have static shapes, so the dynamic row count is written as a sum of powers
+    of two (at most log2(block_m) + 1 copies), largest first.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    count = hi - lo
+    start = lo
+    p = 1 << int(math.log2(block_m))
+    while p >= 1:
+        @pl.when((count & p) != 0)
+        def _(p=p, start=start):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(start, p)],
+                o_gmem.at[pl.ds(row0 + start, p), pl.ds(col0, block_n)])
+        start = start + (count & p)
+        p //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
+                           max_concurrent_steps, num_sms=NUM_SMS):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    g, _, n = w.shape
+    grid_n = n // block_n
+    k_steps = k // block_k
+    steps = max(2, min(max_concurrent_steps, k_steps))
+
+    def body(meta_gmem, count_gmem, x_gmem, w_gmem, o_gmem):
+        n_work = count_gmem[0] * grid_n
+
+        @plgpu.nd_loop((n_work,), collective_axes="sm")
+        def _work(info: plgpu.NDLoopInfo):
+            idx = info.index[0]
+            item = lax.div(idx, jnp.int32(grid_n))
+            ni = lax.rem(idx, jnp.int32(grid_n))
+            grp = meta_gmem[0, item]
+            blk = meta_gmem[1, item]
+            lo = meta_gmem[2, item]
+            hi = meta_gmem[3, item]
+
+            @pl.when(grp < g)
+            def _matmul():
+                def acc_scope(acc_ref):
+                    plgpu.emit_pipeline(
+                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem),
+                        grid=(k_steps,),
+                        in_specs=[
+                            plgpu.BlockSpec((block_m, block_k), lambda kk: (blk, kk),
+                                            delay_release=1),
+                            plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni),
+                                            delay_release=1),
+                        ],
+                        max_concurrent_steps=steps,
+                    )(x_gmem, w_gmem.at[grp])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
+
+                @functools.partial(pl.run_scoped,
+                                   o_smem=plgpu.SMEM((block_m, block_n), o_gmem.dtype))
+                def _store(o_smem):
+                    o_smem[...] = acc.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem, o_gmem, blk * block_m, lo, hi, ni * block_n,
+                                block_m, block_n)
+
+            @pl.when(grp >= g)
+            def _zeros():
+                @functools.partial(pl.run_scoped,
+                                   o_smem=plgpu.SMEM((block_m, block_n), o_gmem.dtype))
+                def _store(o_smem):
+                    o_smem[...] = jnp.zeros((block_m, block_n), o_smem.dtype)
+                    plgpu.commit_smem()
+                    _store_rows(o_smem, o_gmem, blk * block_m, lo, hi, ni * block_n,
+                                block_m, block_n)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), w.dtype),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return kernel(meta, n_items, x, w)
+
+
+def default_blocks(m: int, k: int, n: int) -> dict:
+    """Tile sizes by regime: decode (few rows a group) streams weights with narrow N tiles
+    so more SMs pull weights at once; prefill uses 128x128 tiles."""
+    if m <= 1024:
+        return dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=6)
+    return dict(block_m=128, block_n=128 if n > 64 else 64, block_k=64, max_concurrent_steps=4)
+
+
+def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, **blocks):
+    """Registry signature: x [M,K] (rows sorted by group), w [G,K,N], group_sizes [G] -> [M,N]."""
+    if w.dtype not in (jnp.bfloat16, jnp.float16):
+        from deepinfer_fn.kernels import _grouped_matmul_xla
+        return _grouped_matmul_xla(x, w, group_sizes)
+    m, k = x.shape
+    g, k2, n = w.shape
+    if k != k2 or group_sizes.shape != (g,):
+        raise ValueError(f"grouped_matmul: shapes x{x.shape} w{w.shape} group_sizes{group_sizes.shape}")
+    cfg = default_blocks(m, k, n)
+    cfg.update(blocks)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    mp, kp, np_ = round_up(max(m, 1), bm), round_up(k, bk), round_up(n, bn)
+    xx = x.astype(w.dtype)
+    if (mp, kp) != (m, k):
+        xx = jnp.pad(xx, ((0, mp - m), (0, kp - k)))
+    ww = w
+    if (kp, np_) != (k, n):
+        ww = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    meta, n_items = _work_list(group_sizes, mp, bm)
+    with maybe_interpret(interpret):
+        y = _grouped_matmul_pallas(xx, ww, meta, n_items, block_m=bm, block_n=bn, block_k=bk,
+                                   max_concurrent_steps=cfg["max_concurrent_steps"],
+                                   num_sms=cfg.get("num_sms", 4 if interpret else NUM_SMS))
+    if (mp, np_) != (m, n):
+        y = y[:m, :n]
+    return y
+
+
+grouped_matmul_mgpu.available = on_hopper

@@ -1,0 +1,176 @@
+"""The functional generation API: chunked prefill, then one jitted decode loop (DESIGN.md).
+
+`generate(params, tokens, lengths=..., max_new_tokens=...)` prefills every prompt (ragged:
+row b has lengths[b] real tokens, the rest of the row is ignored) in fixed-size chunks, then
+runs a `lax.while_loop` that samples, feeds each row its own token and stops rows
+independently; the decode state is donated, and nothing returns to the host until the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_fn.model import transformer
+from deepinfer_fn.params import Params
+from deepinfer_fn.sampling import SamplingParams, sample, sampling_params
+from deepinfer_fn.state import DecodeState, init_state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """tokens int32 [B, N] (pad_id after a row stops); lengths int32 [B] generated tokens
+    (a stop token included); logprobs float32 [B, N] or None; stopped bool [B] (True when a
+    stop token ended the row, False when max_new_tokens did)."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    logprobs: jax.Array | None = None
+
+    def finish_reasons(self) -> list[str]:
+        return ["stop" if s else "length" for s in np.asarray(self.stopped)]
+
+
+def _bucket(n: int, minimum: int = 256) -> int:
+    """Round a capacity up to a power of two so repeated calls reuse compiled programs."""
+    return max(minimum, 1 << (int(n) - 1).bit_length())
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def _prefill_chunk(params, state, chunk, n_new):
+    logits, state, _ = transformer.forward_chunk(params, state, chunk, n_new)
+    return logits, state
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "stop_tokens", "return_logprobs"))
+def _decode_loop(params: Params, state: DecodeState, first_logits, sampling: SamplingParams,
+                 pad_id, *, max_new_tokens: int, stop_tokens: tuple[int, ...],
+                 return_logprobs: bool):
+    B = first_logits.shape[0]
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+
+    def take(carry, logits, i):
+        state, out, logp, done, count = carry
+        token, lp = sample(logits, sampling, state.lengths)
+        token = jnp.where(done, pad_id, token)
+        out = out.at[:, i].set(token)
+        logp = logp.at[:, i].set(jnp.where(done, 0.0, lp))
+        count = count + (~done).astype(jnp.int32)
+        done = done | jnp.isin(token, stops)
+        return (state, out, logp, done, count), token
+
+    carry = (state, jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+             jnp.zeros((B, max_new_tokens), jnp.float32), jnp.zeros((B,), bool),
+             jnp.zeros((B,), jnp.int32))
+    carry, token = take(carry, first_logits, 0)
+
+    def cond(loop):
+        i, carry, _ = loop
+        return (i < max_new_tokens) & ~jnp.all(carry[3])
+
+    def body(loop):
+        i, carry, token = loop
+        state, out, logp, done, count = carry
+        logits, state, _ = transformer.forward_chunk(params, state, token[:, None],
+                                                     (~done).astype(jnp.int32))
+        carry, token = take((state, out, logp, done, count), logits, i)
+        return i + 1, carry, token
+
+    _, carry, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), carry, token))
+    _, out, logp, done, count = carry
+    return GenerateOutput(out, count, done, logp if return_logprobs else None)
+
+
+def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None):
+    """Host-side validation of a prompt batch; returns (tokens int32 [B,T], lengths int32 [B])."""
+    arr = np.asarray(tokens)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2:
+        raise ValueError(f"tokens must be [batch, length], got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"empty prompt batch (tokens shape {arr.shape})")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"tokens must hold integer token ids, got dtype {arr.dtype}")
+    B, T = arr.shape
+    lens = np.full((B,), T, np.int64) if lengths is None else np.asarray(lengths).astype(np.int64)
+    if lens.shape != (B,):
+        raise ValueError(f"lengths has shape {lens.shape}, expected ({B},) for {B} prompts")
+    if np.any(lens < 1):
+        raise ValueError(f"empty prompt(s): rows {np.flatnonzero(lens < 1).tolist()} have length < 1")
+    if np.any(lens > T):
+        raise ValueError(f"lengths {lens.tolist()} exceed the token array width {T}")
+    real = np.arange(T)[None] < lens[:, None]
+    bad = real & ((arr < 0) | (arr >= cfg.vocab_size))
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        raise ValueError(f"token id {int(arr[row, col])} at row {row}, position {col} is outside "
+                         f"the vocabulary [0, {cfg.vocab_size})")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    limit = cfg.max_position_embeddings if max_len is None else min(max_len, cfg.max_position_embeddings)
+    over = lens + max_new_tokens > limit
+    if over.any():
+        r = int(np.flatnonzero(over)[0])
+        raise ValueError(f"prompt {r} ({int(lens[r])} tokens) + max_new_tokens {max_new_tokens} "
+                         f"exceeds the context limit of {limit} tokens")
+    return np.where(real, arr, 0).astype(np.int32), lens.astype(np.int32)
+
+
+def prefill(params: Params, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
+            chunk: int):
+    """Chunked prefill of right-padded prompts; returns (last-token logits [B,V], state)."""
+    B, T = tokens.shape
+    chunk = max(1, min(chunk, -(-T // 16) * 16))
+    padded = -(-T // chunk) * chunk
+    tokens = np.pad(tokens, ((0, 0), (0, padded - T)))
+    last_logits = None
+    for off in range(0, padded, chunk):
+        n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
+        if not n_new.any():
+            break
+        logits, state = _prefill_chunk(params, state, jnp.asarray(tokens[:, off:off + chunk]),
+                                       jnp.asarray(n_new))
+        ends_here = jnp.asarray((lengths > off) & (lengths <= off + chunk))
+        last_logits = logits if last_logits is None else jnp.where(ends_here[:, None], logits,
+                                                                   last_logits)
+    return last_logits, state
+
+
+def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
+             temperature=0.0, top_k=None, top_p=None, min_p=None, seed=0,
+             stop_tokens: Sequence[int] = (), return_logprobs: bool = False,
+             pad_id: int | None = None, prefill_chunk: int = 512, max_len: int | None = None,
+             window_slots: int | None = None) -> GenerateOutput:
+    """Generates up to `max_new_tokens` per prompt.
+
+    tokens: int [B, T] right-padded prompts (or one [T] prompt); lengths: [B] real lengths
+    (default T). Sampling arguments are scalars or per-row sequences (temperature 0 = greedy);
+    a row's randomness depends only on its seed and positions, never on the batch. A row stops
+    after emitting any of `stop_tokens`; positions after it hold `pad_id` (default eos).
+    """
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+    cfg = params.config
+    tokens, lengths = check_prompts(tokens, lengths, cfg, max_new_tokens, max_len)
+    stop_tokens = tuple(int(t) for t in stop_tokens)
+    bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+    B = tokens.shape[0]
+    sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
+    need = int(lengths.max()) + max_new_tokens
+    capacity = max_len or min(_bucket(need), cfg.max_position_embeddings)
+    state = init_state(cfg, B, capacity, window_slots=window_slots, dtype=params.dtype)
+    first_logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
+    pad = cfg.eos_token_id if pad_id is None else pad_id
+    return _decode_loop(params, state, first_logits, sampling, jnp.int32(pad),
+                        max_new_tokens=int(max_new_tokens), stop_tokens=stop_tokens,
+                        return_logprobs=bool(return_logprobs))

@@ -1,0 +1,120 @@
+"""Mosaic GPU kernels (custom_calls/) against the XLA reference, on CPU.
+
+The kernels run under Pallas' GPU interpret mode, which simulates the GPU's memories,
+warpgroups, barriers, TMA and wgmma on the CPU: the same kernel code path as on an H100 /
+H200 except where custom_calls/sparse_attention.py says otherwise (the p @ V wgmma takes
+its A operand from shared memory there). Lowering for CUDA is checked too (no GPU needed).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_fn import kernels
+
+kernels._ensure_custom_calls_loaded()
+try:
+    from custom_calls import _common
+    from custom_calls.grouped_matmul import grouped_matmul_mgpu
+    from custom_calls.sparse_attention import sparse_attention_mgpu
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+    _IMPORT_ERROR = e
+
+pytestmark = pytest.mark.skipif(
+    _IMPORT_ERROR is not None or not _common.interpret_available(),
+    reason=f"Pallas Mosaic GPU interpret mode unavailable in this JAX: {_IMPORT_ERROR}")
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _grouped(seed, m, k, n, g, pad, empty=()):
+    rng = np.random.default_rng(seed)
+    p = np.ones(g)
+    p[list(empty)] = 0
+    sizes = rng.multinomial(m - pad, p / p.sum()).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    return x, w, jnp.asarray(sizes)
+
+
+def test_registered_and_not_chosen_on_cpu():
+    for op in ("grouped_matmul", "sparse_attention"):
+        assert "mosaic_gpu" in kernels.implementations(op)
+        fn = kernels._REGISTRY[op]["mosaic_gpu"]
+        assert fn.available() is False          # CPU: no sm_90 device
+        assert kernels.choose(op, "cpu") == "xla"
+        assert kernels.choose(op, "gpu") == "xla"  # not available here, so the GPU falls back
+
+
+@pytest.mark.parametrize("m,k,n,g,pad,empty,blocks", [
+    (40, 64, 64, 5, 3, (1,), {}),                        # padding rows, an empty group
+    (70, 96, 80, 4, 5, (0, 3), {"block_n": 64}),         # M, K, N not multiples of the tiles
+    (6, 128, 64, 8, 0, (), {}),                          # decode: one row an expert
+])
+def test_grouped_matmul_interpret(m, k, n, g, pad, empty, blocks):
+    x, w, sizes = _grouped(m + k + n, m, k, n, g, pad, empty)
+    got = np.asarray(grouped_matmul_mgpu(x, w, sizes, interpret=True, **blocks).astype(jnp.float32))
+    want = np.asarray(kernels._grouped_matmul_xla(x, w, sizes).astype(jnp.float32))
+    assert got.shape == want.shape and not np.isnan(got).any()
+    assert _rel(got, want) < 1e-2
+    np.testing.assert_array_equal(got[m - pad:], 0.0)   # rows past sum(group_sizes)
+
+
+def test_grouped_matmul_fp32_falls_back_to_reference():
+    x, w, sizes = _grouped(0, 24, 16, 8, 3, 2)
+    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    got = grouped_matmul_mgpu(x, w, sizes)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels._grouped_matmul_xla(x, w, sizes)))
+
+
+def _sparse(seed, b, s, h, d, wk, n, k, dtype=jnp.bfloat16, mask_split=False):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, s, h, d)), dtype)
+    win = jnp.asarray(rng.standard_normal((b, wk, d)), dtype)
+    vis = rng.random((b, s, wk)) < 0.8
+    if mask_split:
+        vis[0, 0, :] = False                 # a token whose whole window is masked
+    wb = jnp.asarray(np.where(vis, 0.0, -np.inf), jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((b, n, d)), dtype)
+    idx = rng.integers(0, n, (b, s, k))
+    idx[rng.random((b, s, k)) < 0.25] = -1
+    sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    return q, win, wb, rows, jnp.asarray(idx, jnp.int32), sinks
+
+
+@pytest.mark.parametrize("shape,splits", [
+    ((2, 1, 8, 128, 64, 100, 64), 1),     # B=2, S=1, one CTA per token
+    ((1, 2, 16, 256, 40, 50, 30), 2),     # S=2, Wk+K padded, keys split over 2 CTAs
+])
+def test_sparse_attention_interpret(shape, splits):
+    args = _sparse(sum(shape), *shape, mask_split=splits == 2)
+    got = np.asarray(sparse_attention_mgpu(*args, interpret=True, splits=splits).astype(jnp.float32))
+    want = np.asarray(kernels._sparse_attention_xla(*args).astype(jnp.float32))
+    assert got.shape == want.shape and not np.isnan(got).any()
+    assert _rel(got, want) < 1e-2
+
+
+def test_sparse_attention_unsupported_falls_back():
+    args = _sparse(3, 1, 1, 4, 64, 8, 10, 6, dtype=jnp.float32)   # fp32, H=4, d=64
+    got = sparse_attention_mgpu(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels._sparse_attention_xla(*args)))
+
+
+def test_kernels_lower_for_cuda():
+    """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) runs on any host."""
+    sd = jax.ShapeDtypeStruct
+    t0 = time.time()
+    jax.export.export(jax.jit(grouped_matmul_mgpu), platforms=["cuda"])(
+        sd((6, 2048), jnp.bfloat16), sd((64, 2048, 512), jnp.bfloat16), sd((64,), jnp.int32))
+    jax.export.export(jax.jit(sparse_attention_mgpu), platforms=["cuda"])(
+        sd((2, 1, 32, 512), jnp.bfloat16), sd((2, 128, 512), jnp.bfloat16),
+        sd((2, 1, 128), jnp.float32), sd((2, 1024, 512), jnp.bfloat16),
+        sd((2, 1, 512), jnp.int32), sd((32,), jnp.float32))
+    assert time.time() - t0 < 30
