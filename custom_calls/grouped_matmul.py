@@ -16,8 +16,10 @@ matter for MoE decode and for the registry's contract:
 
 Operands must be bf16 or fp16 (the wgmma input types); fp32 inputs are served by the XLA
 reference (`grouped_matmul_mgpu` falls back to it). Accumulation is fp32; the output has w's
-dtype. M is padded to the row block (cheap: activations), K and N to the tile sizes only
+dtype. K and N are padded to the tile sizes only
 when they are not multiples (that pads w, a full copy of the weights: avoid such shapes).
+M is padded at most to a multiple of 8: the copy engine zero-fills the rows of the last
+block past M.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from custom_calls._common import maybe_interpret, on_hopper, round_up
 NUM_SMS = 132  # H100 SXM / H200: the persistent grid size
 
 
-def _work_list(group_sizes, m_pad: int, block_m: int):
-    """Static-size work list for the kernel, computed in XLA.
+def _work_list(group_sizes, m_rows: int, block_m: int):
+    """Static-size work list for the kernel, computed in XLA (two or three small fusions).
 
     Returns meta int32 [4, T] (group id, row block, first row, end row within the block; a
     group id of G means "write zeros") and n_items int32 [1]. Items past n_items are unused.
-    Groups G (a pseudo group) covers the tail rows [sum(group_sizes), m_pad).
+    Group G (a pseudo group) covers the tail rows [sum(group_sizes), m_rows).
     """
+    m_pad = m_rows
     g = group_sizes.shape[0]
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(sizes), m_pad)
@@ -54,9 +57,11 @@ def _work_list(group_sizes, m_pad: int, block_m: int):
     ntiles = jnp.where(nonempty, last_blk - first_blk + 1, 0)
     tiles_end = jnp.cumsum(ntiles)
     n_items = tiles_end[-1]
-    t_max = m_pad // block_m + g  # each group adds at most one partial block
+    t_max = -(-m_pad // block_m) + g  # each group adds at most one partial block
     t = jnp.arange(t_max, dtype=jnp.int32)
-    grp = jnp.searchsorted(tiles_end, t, side="right").astype(jnp.int32)
+    # Group of each item: how many groups' tile ranges end at or before it (one fusion on
+    # GPU, unlike searchsorted's default sequential loop).
+    grp = jnp.sum(tiles_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
     grp_c = jnp.minimum(grp, g)
     blk = first_blk[grp_c] + (t - (tiles_end[grp_c] - ntiles[grp_c]))
     lo = jnp.maximum(starts[grp_c], blk * block_m) - blk * block_m
@@ -78,7 +83,7 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, block_m: int, block_n: int):
 
     count = hi - lo
     start = lo
-    p = 1 << int(math.log2(block_m))
+    p = 1 << int(math.log2(min(block_m, o_gmem.shape[0])))  # count <= min(block_m, M)
     while p >= 1:
         @pl.when((count & p) != 0)
         def _(p=p, start=start):
@@ -165,12 +170,18 @@ def default_blocks(m: int, k: int, n: int) -> dict:
     """Tile sizes by regime: decode (few rows a group) streams weights with narrow N tiles
     so more SMs pull weights at once; prefill uses 128x128 tiles."""
     if m <= 1024:
-        return dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=6)
+        return dict(block_m=64, block_n=128 if n > 64 else 64, block_k=64, max_concurrent_steps=4)
     return dict(block_m=128, block_n=128 if n > 64 else 64, block_k=64, max_concurrent_steps=4)
 
 
-def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, **blocks):
-    """Registry signature: x [M,K] (rows sorted by group), w [G,K,N], group_sizes [G] -> [M,N]."""
+def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, pad_m: bool = False,
+                        **blocks):
+    """Registry signature: x [M,K] (rows sorted by group), w [G,K,N], group_sizes [G] -> [M,N].
+
+    M need not be a multiple of the row block: the last block's TMA loads read past M
+    (the copy engine fills zeros) and the stores never write past M; M is only rounded up
+    to a multiple of 8 (when > 8). `pad_m=True` pads x to the row block instead (an extra
+    copy of the activations; kept for comparison)."""
     if w.dtype not in (jnp.bfloat16, jnp.float16):
         from deepinfer_fn.kernels import _grouped_matmul_xla
         return _grouped_matmul_xla(x, w, group_sizes)
@@ -181,7 +192,9 @@ def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, **blocks)
     cfg = default_blocks(m, k, n)
     cfg.update(blocks)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    mp, kp, np_ = round_up(max(m, 1), bm), round_up(k, bk), round_up(n, bn)
+    # TMA on the tiled layout wants M <= 8 or a multiple of 8: pad (a few rows) only then.
+    mp = round_up(max(m, 1), bm) if pad_m else (round_up(m, 8) if m > 8 else m)
+    kp, np_ = round_up(k, bk), round_up(n, bn)
     xx = x.astype(w.dtype)
     if (mp, kp) != (m, k):
         xx = jnp.pad(xx, ((0, mp - m), (0, kp - k)))

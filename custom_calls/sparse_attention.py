@@ -40,7 +40,8 @@ NUM_SMS = 132
 _ROWS = 64  # wgmma M: heads padded to one warpgroup's 64 rows
 
 
-def _kernel_call(q, keys, bias, *, splits: int, block_k: int, stages: int, interpret: bool):
+def _kernel_call(q, keys, bias, *, splits: int, block_k: int, stages: int, interpret: bool,
+                 qk_split: bool):
     """q [T,H,d], keys [T,L,d], bias [T,L] fp32 -> o [T,splits,H,d] (keys' dtype), lse2 [T,splits,64]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -56,6 +57,8 @@ def _kernel_call(q, keys, bias, *, splits: int, block_k: int, stages: int, inter
 
     def kernel(q_ref, k_ref, b_ref, o_ref, lse_ref, scoped):
         (q_smem, k_smem, b_smem, lse_smem), (k_bar, b_bar, q_bar), consumed, done = scoped[:4]
+        if qk_split:
+            x_smem, x_bar = scoped[4:6]
         tok = lax.axis_index("t")
         split = lax.axis_index("split")
         wg = lax.axis_index("wg")
@@ -78,12 +81,38 @@ def _kernel_call(q, keys, bias, *, splits: int, block_k: int, stages: int, inter
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(b_bar.at[slot])
 
-                def qk_scope(acc_ref):
-                    for half in range(2):
-                        k_half = k_smem.at[slot, :, pl.ds(half * dh, dh)]
-                        plgpu.wgmma(acc_ref, q_smem.at[half], k_half.transpose((1, 0)))
-                    return acc_ref[...]
-                s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
+                if qk_split:
+                    # Each warpgroup contracts its own half of d; the two partial logit
+                    # tiles are summed through shared memory (no duplicated q @ K^T).
+                    def qk_half_scope(acc_ref):
+                        k_half = k_smem.at[slot, :, pl.ds(wg * dh, dh)]
+                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_half.transpose((1, 0)))
+                        return acc_ref[...]
+                    part = pl.run_scoped(qk_half_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
+                    # One fp32 tile of shared memory (the budget is full): warpgroup 1 puts
+                    # its partial there, warpgroup 0 adds it and puts the sum back.
+                    load_x = lambda: plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+
+                    @pl.when(wg == 1)
+                    def _():
+                        x_smem[...] = part
+                    plgpu.barrier_arrive(x_bar.at[0])
+                    plgpu.barrier_wait(x_bar.at[0])
+                    s = lax.cond(wg == 0, lambda: part + load_x(), lambda: part)
+
+                    @pl.when(wg == 0)
+                    def _():
+                        x_smem[...] = s
+                    plgpu.barrier_arrive(x_bar.at[1])
+                    plgpu.barrier_wait(x_bar.at[1])
+                    s = lax.cond(wg == 0, lambda: s, load_x)
+                else:
+                    def qk_scope(acc_ref):
+                        for half in range(2):
+                            k_half = k_smem.at[slot, :, pl.ds(half * dh, dh)]
+                            plgpu.wgmma(acc_ref, q_smem.at[half], k_half.transpose((1, 0)))
+                        return acc_ref[...]
+                    s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
                 bias2 = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 s = s * scale2 + lax.broadcast_in_dim(bias2 * LOG2E, s.shape, [1])
                 m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -169,8 +198,12 @@ def _kernel_call(q, keys, bias, *, splits: int, block_k: int, stages: int, inter
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2))
         extra = ()
+        if qk_split:
+            extra += (plgpu.SMEM((_ROWS, block_k), jnp.float32,
+                                 transforms=(plgpu.TilingTransform((8, 32)), swizzle)),
+                      plgpu.Barrier(num_arrivals=2, num_barriers=2))
         if interpret:
-            extra = (plgpu.SMEM((2, _ROWS, block_k), dtype, transforms=(tiling, swizzle)),)
+            extra += (plgpu.SMEM((2, _ROWS, block_k), dtype, transforms=(tiling, swizzle)),)
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, b_ref, o_ref, lse_ref, scoped),
             smem, bars,
@@ -231,7 +264,7 @@ def gather_keys(window_kv, window_bias, rows, row_idx, block_k: int, multiple: i
 
 def sparse_attention_mgpu(q, window_kv, window_bias, rows, row_idx, sinks, *,
                           interpret: bool = False, block_k: int = 64, stages: int = 2,
-                          splits: int | None = None):
+                          splits: int | None = None, qk_split: bool = True):
     if not supported(q, window_kv):
         from deepinfer_fn.kernels import _sparse_attention_xla
         return _sparse_attention_xla(q, window_kv, window_bias, rows, row_idx, sinks)
@@ -246,14 +279,14 @@ def sparse_attention_mgpu(q, window_kv, window_bias, rows, row_idx, sinks, *,
     with maybe_interpret(interpret):
         o, lse2 = _kernel_call(q.astype(dtype).reshape(t_count, h, d), keys, bias,
                                splits=splits, block_k=block_k, stages=stages,
-                               interpret=interpret)
+                               interpret=interpret, qk_split=qk_split)
     lse2 = lse2[..., :h]                                     # [T, splits, H]
     sink2 = sinks.astype(jnp.float32) * LOG2E                # [H]
     mx = jnp.maximum(lse2.max(axis=1), sink2[None])          # [T, H]
     wts = jnp.exp2(lse2 - mx[:, None])                       # [T, splits, H]
     den = wts.sum(axis=1) + jnp.exp2(sink2[None] - mx)       # [T, H]
-    out = jnp.einsum("tsh,tshd->thd", wts, o.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST) / den[..., None]
+    # A broadcast-multiply-reduce (one fusion), not a dot: cuBLAS would add launches.
+    out = (wts[..., None] * o.astype(jnp.float32)).sum(axis=1) / den[..., None]
     return out.reshape(b, s, h, d).astype(dtype)
 
 

@@ -4,11 +4,11 @@ from deepinfer_fn.config import ConfigError, ModelConfig
 from deepinfer_fn.params import Params, count_params, init_params, param_specs
 from deepinfer_fn.api import forward, mtp_forward
 from deepinfer_fn.checkpoint import CheckpointError, load_params, save_params
-from deepinfer_fn.generate import GenerateOutput, generate
+from deepinfer_fn.generate import GenerateOutput, generate, stream_generate
 from deepinfer_fn.state import DecodeState, init_state
 
 __all__ = [
     "ConfigError", "ModelConfig", "Params", "count_params", "init_params", "param_specs",
     "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
-    "GenerateOutput", "generate", "DecodeState", "init_state",
+    "GenerateOutput", "generate", "stream_generate", "DecodeState", "init_state",
 ]

@@ -1,4 +1,4 @@
-"""Command line: `python -m deepinfer_fn {info,forward} ...`."""
+"""Command line: `python -m deepinfer_fn {generate,info,forward} ...`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,71 @@ def cmd_forward(args) -> int:
     return 0
 
 
+def _model_and_tokenizer(model: str | None, dtype_name: str):
+    """(params, tokenizer) for a checkpoint directory, a preset (random weights), or the
+    embedded default model when `model` is None."""
+    import deepinfer_fn as di
+    from deepinfer_fn import text
+    if model is None:
+        from deepinfer_fn.default_model import default_model_path
+        model = default_model_path()
+    params = _load(model, dtype_name)
+    if os.path.isdir(model) and os.path.exists(os.path.join(model, "tokenizer.json")):
+        tok = text.load_tokenizer(model)
+    elif params.config.vocab_size == 129280:
+        tok = text.load_tokenizer()  # the real DeepSeek-V4 vocabulary
+    else:
+        raise SystemExit(f"{model}: no tokenizer.json and vocab_size {params.config.vocab_size} "
+                         "is not the V4 vocabulary; pass a checkpoint directory with a tokenizer")
+    if tok.vocab_size > params.config.vocab_size:
+        raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model only "
+                         f"{params.config.vocab_size}")
+    return params, tok
+
+
+def cmd_generate(args) -> int:
+    import numpy as np
+    from tqdm.auto import tqdm
+    import deepinfer_fn as di
+    params, tok = _model_and_tokenizer(args.model, args.dtype)
+    if args.chat:
+        ids = tok.apply_chat([{"role": "user", "content": args.prompt}], thinking=args.thinking)
+    else:
+        ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
+    if not ids:
+        raise SystemExit("empty prompt")
+    stops = [tok.eos_id] if tok.eos_id is not None and not args.ignore_eos else []
+    prompt = np.asarray([ids], np.int32)
+    decoder = tok.stream_decoder()
+    bar = tqdm(total=args.max_new_tokens, unit="tok", desc="generate", leave=False,
+               disable=args.quiet or None, file=sys.stderr)
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    for out in di.stream_generate(params, prompt, max_new_tokens=args.max_new_tokens,
+                                  block=args.block, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                  seed=args.seed, stop_tokens=stops):
+        count = int(out.lengths[0])
+        first = first or time.perf_counter()
+        for token in np.asarray(out.tokens[0, :count]).tolist():
+            if token in stops:
+                continue
+            sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+        n += count
+        bar.update(count)
+    sys.stdout.write(decoder.flush() + "\n")
+    bar.close()
+    dt = time.perf_counter() - t0
+    if not args.quiet:
+        print(f"[{n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s including compilation; "
+              f"prompt {len(ids)} tokens]", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepinfer_fn")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -54,6 +119,23 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,2,3,4,5")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.set_defaults(fn=cmd_forward)
+    p = sub.add_parser("generate", help="generate text (default: the embedded default model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name (default: the embedded model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user chat turn")
+    p.add_argument("--thinking", action="store_true", help="chat in thinking mode")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block", type=int, default=16, help="decode steps per device call")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(fn=cmd_generate)
     args = parser.parse_args(argv)
     return args.fn(args)
 

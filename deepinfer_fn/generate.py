@@ -49,43 +49,47 @@ def _prefill_chunk(params, state, chunk, n_new):
     return logits, state
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "stop_tokens", "return_logprobs"))
-def _decode_loop(params: Params, state: DecodeState, first_logits, sampling: SamplingParams,
-                 pad_id, *, max_new_tokens: int, stop_tokens: tuple[int, ...],
-                 return_logprobs: bool):
-    B = first_logits.shape[0]
+@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "feed_last"),
+                   donate_argnums=(1,))
+def _decode_block(params: Params, state: DecodeState, logits, done, sampling: SamplingParams,
+                  pad_id, *, n: int, stop_tokens: tuple[int, ...], feed_last: bool):
+    """Samples up to n tokens per row inside one `lax.while_loop`, feeding each row its own
+    token (rows that stopped feed nothing and keep their state). Returns
+    (tokens [B,n], logprobs [B,n], counts [B], state, next logits [B,V], done [B]);
+    with feed_last=False the n-th token is not fed (no wasted model step at the very end).
+    """
+    B = logits.shape[0]
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
 
-    def take(carry, logits, i):
-        state, out, logp, done, count = carry
+    def cond(loop):
+        i, _, _, _, _, _, done = loop
+        return (i < n) & ~jnp.all(done)
+
+    def body(loop):
+        i, state, logits, out, logp, count, done = loop
         token, lp = sample(logits, sampling, state.lengths)
         token = jnp.where(done, pad_id, token)
         out = out.at[:, i].set(token)
         logp = logp.at[:, i].set(jnp.where(done, 0.0, lp))
         count = count + (~done).astype(jnp.int32)
+        feed = (~done).astype(jnp.int32)
         done = done | jnp.isin(token, stops)
-        return (state, out, logp, done, count), token
 
-    carry = (state, jnp.full((B, max_new_tokens), pad_id, jnp.int32),
-             jnp.zeros((B, max_new_tokens), jnp.float32), jnp.zeros((B,), bool),
-             jnp.zeros((B,), jnp.int32))
-    carry, token = take(carry, first_logits, 0)
+        def step(args):
+            state, logits = args
+            logits, state, _ = transformer.forward_chunk(params, state, token[:, None], feed)
+            return state, logits
 
-    def cond(loop):
-        i, carry, _ = loop
-        return (i < max_new_tokens) & ~jnp.all(carry[3])
+        if feed_last:
+            state, logits = step((state, logits))
+        else:
+            state, logits = jax.lax.cond(i + 1 < n, step, lambda a: a, (state, logits))
+        return i + 1, state, logits, out, logp, count, done
 
-    def body(loop):
-        i, carry, token = loop
-        state, out, logp, done, count = carry
-        logits, state, _ = transformer.forward_chunk(params, state, token[:, None],
-                                                     (~done).astype(jnp.int32))
-        carry, token = take((state, out, logp, done, count), logits, i)
-        return i + 1, carry, token
-
-    _, carry, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), carry, token))
-    _, out, logp, done, count = carry
-    return GenerateOutput(out, count, done, logp if return_logprobs else None)
+    init = (jnp.int32(0), state, logits, jnp.full((B, n), pad_id, jnp.int32),
+            jnp.zeros((B, n), jnp.float32), jnp.zeros((B,), jnp.int32), done)
+    _, state, logits, out, logp, count, done = jax.lax.while_loop(cond, body, init)
+    return out, logp, count, state, logits, done
 
 
 def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None):
@@ -124,6 +128,14 @@ def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None
     return np.where(real, arr, 0).astype(np.int32), lens.astype(np.int32)
 
 
+def check_stop_tokens(stop_tokens, cfg) -> tuple[int, ...]:
+    stop_tokens = tuple(int(t) for t in stop_tokens)
+    bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+    return stop_tokens
+
+
 def prefill(params: Params, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
             chunk: int):
     """Chunked prefill of right-padded prompts; returns (last-token logits [B,V], state)."""
@@ -160,17 +172,51 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
     cfg = params.config
     tokens, lengths = check_prompts(tokens, lengths, cfg, max_new_tokens, max_len)
-    stop_tokens = tuple(int(t) for t in stop_tokens)
-    bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise ValueError(f"stop_tokens {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+    stop_tokens = check_stop_tokens(stop_tokens, cfg)
+    return _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
+                            block=int(max_new_tokens), temperature=temperature, top_k=top_k,
+                            top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
+                            return_logprobs=return_logprobs, pad_id=pad_id,
+                            prefill_chunk=prefill_chunk, max_len=max_len,
+                            window_slots=window_slots).__next__()
+
+
+def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
+    """Like `generate`, but yields a `GenerateOutput` of up to `block` new tokens per row at a
+    time (the device runs `block` decode steps per call; Python sees one transfer per block).
+    The last output of each row is padded after it stops."""
+    if not isinstance(params, Params):
+        raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+    max_new_tokens = kwargs.pop("max_new_tokens")
+    lengths = kwargs.pop("lengths", None)
+    tokens, lengths = check_prompts(tokens, lengths, params.config, max_new_tokens,
+                                    kwargs.get("max_len"))
+    kwargs["stop_tokens"] = check_stop_tokens(kwargs.get("stop_tokens", ()), params.config)
+    yield from _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
+                                block=max(1, int(block)), **kwargs)
+
+
+def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperature=0.0,
+                     top_k=None, top_p=None, min_p=None, seed=0, stop_tokens=(),
+                     return_logprobs=False, pad_id=None, prefill_chunk=512, max_len=None,
+                     window_slots=None):
+    cfg = params.config
     B = tokens.shape[0]
     sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
     need = int(lengths.max()) + max_new_tokens
     capacity = max_len or min(_bucket(need), cfg.max_position_embeddings)
     state = init_state(cfg, B, capacity, window_slots=window_slots, dtype=params.dtype)
-    first_logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
-    pad = cfg.eos_token_id if pad_id is None else pad_id
-    return _decode_loop(params, state, first_logits, sampling, jnp.int32(pad),
-                        max_new_tokens=int(max_new_tokens), stop_tokens=stop_tokens,
-                        return_logprobs=bool(return_logprobs))
+    logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
+    pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
+    done = jnp.zeros((B,), bool)
+    produced = 0
+    while produced < max_new_tokens:
+        n = min(block, max_new_tokens - produced)
+        last = produced + n >= max_new_tokens
+        out, logp, count, state, logits, done = _decode_block(
+            params, state, logits, done, sampling, pad, n=n, stop_tokens=stop_tokens,
+            feed_last=not last)
+        produced += n
+        yield GenerateOutput(out, count, done, logp if return_logprobs else None)
+        if last or bool(jnp.all(done)):
+            return

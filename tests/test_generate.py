@@ -174,3 +174,14 @@ def test_state_size_and_window_slots():
     assert st.layers[2]["rows"].shape == (2, 128 // cfg.hca_ratio, cfg.head_dim)
     with pytest.raises(ValueError, match="window_slots"):
         init_state(cfg, 1, 128, window_slots=cfg.sliding_window - 1)
+
+
+def test_stream_generate_blocks_concatenate_to_generate(ragged):
+    params, tokens, lengths = ragged
+    kw = dict(lengths=lengths, max_new_tokens=10, temperature=0.7, seed=3)
+    whole = np.asarray(di.generate(params, tokens, **kw).tokens)
+    blocks = list(di.stream_generate(params, tokens, block=4, **kw))
+    assert [b.tokens.shape[1] for b in blocks] == [4, 4, 2]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(b.tokens) for b in blocks], 1), whole)
+    with pytest.raises(ValueError, match="stop_tokens"):
+        next(di.stream_generate(params, tokens, max_new_tokens=3, stop_tokens=[-1]))

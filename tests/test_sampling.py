@@ -90,41 +90,53 @@ def draw(logits_row, seed, start=0, allowed=None, positions=None, **row):
 # ---------------------------------------------------------------------------------------------
 # greedy
 
-def test_greedy_is_argmax():
-    logits = jax.random.normal(jax.random.key(1), (8, 1000)) * 4
-    params = S.sampling_params(8, temperature=0.0, top_k=[0, 5, 0, 0, 1, 0, 0, 3],
-                               top_p=0.5, seed=np.arange(8))
-    tokens, _ = sample(logits, params, jnp.arange(8, dtype=jnp.int32))
-    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
-    probs = np.asarray(probabilities(logits, params))
-    np.testing.assert_array_equal(probs, np.eye(1000)[np.argmax(np.asarray(logits), axis=-1)])
+BIG_ROWS = [dict(temperature=0.0), dict(temperature=0.0, top_k=5, top_p=0.5, seed=3),
+            dict(temperature=0.5, top_k=10, top_p=0.9, seed=4), dict(temperature=1.0, top_p=0.5),
+            dict(temperature=1.5, top_k=3, seed=1), dict(temperature=0.0, min_p=0.5),
+            dict(temperature=0.7, min_p=0.1, seed=9), dict(temperature=1.0, seed=2)]
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw_model_logprobs():
+    """No allowed_mask (the None path), V = 1000."""
+    logits = np.random.default_rng(1).normal(size=(8, 1000)).astype(np.float32) * 4
+    params = params_rows(BIG_ROWS)
+    tokens, logprobs = (np.asarray(a) for a in sample(jnp.asarray(logits), params,
+                                                      jnp.arange(8, dtype=jnp.int32)))
+    greedy = np.array([r["temperature"] == 0 for r in BIG_ROWS])
+    np.testing.assert_array_equal(tokens[greedy], np.argmax(logits, axis=-1)[greedy])
+    probs = np.asarray(probabilities(jnp.asarray(logits), params))
+    np.testing.assert_array_equal(probs[greedy], np.eye(1000)[np.argmax(logits, axis=-1)][greedy])
+    # logprobs: log_softmax of the raw logits at the chosen token, whatever T and the filters.
+    l64 = logits.astype(np.float64)
+    log_softmax = l64 - l64.max(-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logprobs, log_softmax[np.arange(8), tokens], rtol=1e-5)
 
 
 def test_greedy_ties_go_to_lowest_id():
     logits = np.zeros((3, 16), np.float32)
     logits[:, [3, 7, 12]] = 2.0                                 # three-way tie
-    params = S.sampling_params(3, temperature=[0.0, 0.0, 1e-7])  # 1e-7 < GREEDY_TEMPERATURE
-    tokens, logprobs = sample(jnp.asarray(logits), params, jnp.zeros(3, jnp.int32))
+    rows = [dict(temperature=0.0), dict(temperature=0.0, seed=5), dict(temperature=1e-7)]
+    tokens, logprobs, filtered, probs = run(logits, rows)       # 1e-7 < GREEDY_TEMPERATURE
     np.testing.assert_array_equal(tokens, [3, 3, 3])
-    filtered = np.asarray(filter_logits(jnp.asarray(logits), params))
     assert np.isfinite(filtered).sum(axis=-1).tolist() == [1, 1, 1]
     assert np.all(filtered[:, 3] == 2.0)
+    np.testing.assert_array_equal(probs, np.eye(16)[[3, 3, 3]])
     want = 2.0 - np.log(3 * np.exp(2.0) + 13)                    # raw log-softmax at token 3
     np.testing.assert_allclose(logprobs, want, rtol=1e-6)
 
 
 def test_temperature_to_zero_limit():
     logits = np.array([1.0, 1.3, 1.2, -0.5, 1.25], np.float32)
-    top_mass = [ref_probs(logits, t)[1] for t in (1.0, 0.3, 0.1, 0.03)]
+    temperatures = [1.0, 0.3, 0.1, 0.03, 1e-3]
+    top_mass = [ref_probs(logits, t)[1] for t in temperatures]
     assert np.all(np.diff(top_mass) > 0)                        # mass concentrates on the argmax
-    got = np.asarray(probabilities(jnp.asarray(logits)[None].repeat(4, 0),
-                                   S.sampling_params(4, temperature=[1.0, 0.3, 0.1, 0.03])))
-    np.testing.assert_allclose(got[:, 1], top_mass, rtol=1e-5)
-    # T = 1e-3: a 0.05 logit gap is 50 nats, so every draw is the argmax, and p is one-hot to 1e-20.
-    tokens, _ = draw(logits, 2000, seed=3, temperature=1e-3)
+    probs = run(np.tile(logits, (5, 1)), [dict(temperature=t) for t in temperatures])[3]
+    np.testing.assert_allclose(probs[:, 1], top_mass, rtol=1e-5)
+    # T = 1e-3: a 0.05 logit gap is 50 nats, so p is one-hot to 1e-20 and every draw is the argmax.
+    np.testing.assert_allclose(probs[-1], np.eye(5)[1], atol=1e-20)
+    tokens, _ = draw(logits, seed=3, temperature=1e-3)
     assert np.all(tokens == 1)
-    p = np.asarray(probabilities(jnp.asarray(logits)[None], S.sampling_params(1, temperature=1e-3)))
-    np.testing.assert_allclose(p[0], np.eye(5)[1], atol=1e-20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,37 +159,34 @@ FILTER_ROWS = [
 def test_probabilities_match_brute_force(quantised):
     rng = np.random.default_rng(7)
     rows = FILTER_ROWS * 2
-    logits = rng.normal(size=(len(rows), 50)) * 2.5
+    logits = (rng.normal(size=(len(rows), 50)) * 2.5).astype(np.float32)
     if quantised:                                   # many exact ties: exercises id tie-breaking
         logits = np.round(logits * 2) / 2
     allowed = rng.random(logits.shape) > 0.2
     allowed[: len(FILTER_ROWS)] = True              # first copy unmasked, second copy masked
-    params = params_rows(rows)
-    got = np.asarray(probabilities(jnp.asarray(logits, jnp.float32), params, jnp.asarray(allowed)))
-    filtered = np.asarray(filter_logits(jnp.asarray(logits, jnp.float32), params,
-                                        jnp.asarray(allowed)))
+    _, _, filtered, got = run(logits, rows, allowed)
     for i, row in enumerate(rows):
-        want = ref_probs(logits[i].astype(np.float32), allowed=allowed[i], **row)
+        want = ref_probs(logits[i], allowed=allowed[i], **row)
         np.testing.assert_array_equal(got[i] > 0, want > 0, err_msg=f"row {i}: {row}")
         np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=1e-7, err_msg=f"row {i}: {row}")
         if row["temperature"] > 0:                  # kept entries are logits / T, others -inf
             np.testing.assert_array_equal(np.isfinite(filtered[i]), want > 0)
             np.testing.assert_allclose(filtered[i][want > 0],
-                                       (logits[i].astype(np.float32) / row["temperature"])[want > 0],
+                                       (logits[i] / np.float32(row["temperature"]))[want > 0],
                                        rtol=1e-6)
 
 
 def test_top_k_keeps_exactly_k_on_ties():
-    logits = np.array([[1.0, 3.0, 3.0, 3.0, 0.0, 3.0]], np.float32)
-    p = np.asarray(probabilities(jnp.asarray(logits), S.sampling_params(1, 1.0, top_k=2)))
-    np.testing.assert_allclose(p[0], [0, 0.5, 0.5, 0, 0, 0])
+    logits = np.array([1.0, 3.0, 3.0, 3.0, 0.0, 3.0], np.float32)
+    probs = run(logits, [dict(temperature=1.0, top_k=2)])[3]
+    np.testing.assert_allclose(probs[0], [0, 0.5, 0.5, 0, 0, 0])
 
 
 def test_top_p_keeps_the_top_token_and_the_smallest_prefix():
-    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
-    for top_p, n_kept in [(0.01, 1), (0.5, 1), (0.51, 2), (0.79, 2), (0.81, 3), (0.96, 4), (1.0, 4)]:
-        p = np.asarray(probabilities(jnp.asarray(logits), S.sampling_params(1, 1.0, top_p=top_p)))
-        assert (p[0] > 0).sum() == n_kept, top_p
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    cases = [(0.01, 1), (0.5, 1), (0.51, 2), (0.79, 2), (0.81, 3), (0.96, 4), (1.0, 4)]
+    probs = run(np.tile(logits, (len(cases), 1)), [dict(temperature=1.0, top_p=p) for p, _ in cases])[3]
+    assert (probs > 0).sum(axis=-1).tolist() == [n for _, n in cases]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,25 +221,23 @@ GOF_CASES = {
 @pytest.mark.parametrize("case", GOF_CASES)
 def test_goodness_of_fit(case):
     row = GOF_CASES[case]
-    n = 20000
-    tokens, _ = draw(GOF_LOGITS, n, seed=1234, start=5, **row)
+    tokens, _ = draw(GOF_LOGITS, seed=1234, start=5, **row)
     want = ref_probs(GOF_LOGITS, **row)
     counts = np.bincount(tokens, minlength=len(GOF_LOGITS))
     assert counts[want == 0].sum() == 0, "a filtered-out token was sampled"
-    result = chisquare(counts, want * n)
-    assert result.pvalue > 0.01, (case, counts, (want * n).round(1), result)
+    result = chisquare(counts, want * N_DRAWS)
+    assert result.pvalue > 0.01, (case, counts, (want * N_DRAWS).round(1), result)
 
 
 def test_goodness_of_fit_over_seeds():
     """Same position, many seeds (many requests): also the target distribution."""
-    n = 20000
-    logits = jnp.broadcast_to(jnp.asarray(GOF_LOGITS), (n, 12))
-    params = S.sampling_params(n, temperature=1.0, top_p=0.95, seed=np.arange(n) * 7919 + 11)
-    tokens, _ = sample(logits, params, jnp.full((n,), 42, jnp.int32))
-    want = ref_probs(GOF_LOGITS, temperature=1.0, top_p=0.95)
-    counts = np.bincount(np.asarray(tokens), minlength=12)
+    row = dict(temperature=1.0, top_p=0.95)
+    tokens, _ = draw(GOF_LOGITS, seed=np.arange(N_DRAWS) * 7919 + 11,
+                     positions=np.full(N_DRAWS, 42), **row)
+    want = ref_probs(GOF_LOGITS, **row)
+    counts = np.bincount(tokens, minlength=12)
     assert counts[want == 0].sum() == 0
-    assert chisquare(counts, want * n).pvalue > 0.01
+    assert chisquare(counts, want * N_DRAWS).pvalue > 0.01
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,21 +245,14 @@ def test_goodness_of_fit_over_seeds():
 
 def test_same_seed_and_position_same_token():
     logits = np.zeros(64, np.float32)                            # uniform: the noise decides
-    a, _ = draw(logits, 500, seed=99, temperature=1.0)
-    b, _ = draw(logits, 500, seed=99, temperature=1.0)
+    a, _ = draw(logits, seed=99, temperature=1.0)
+    b, _ = draw(logits, seed=99, temperature=1.0)
     np.testing.assert_array_equal(a, b)
-    c, _ = draw(logits, 500, seed=100, temperature=1.0)
+    c, _ = draw(logits, seed=100, temperature=1.0)
     assert (a != c).mean() > 0.9                                 # another seed, other tokens
-    assert len(np.unique(a)) > 50                                # positions give fresh noise
-    d, _ = draw(logits, 250, seed=99, start=250, temperature=1.0)
-    np.testing.assert_array_equal(a[250:], d)                    # the draw is keyed by position
-
-
-@jax.jit
-def _everything(logits, params, positions, mask):
-    tokens, logprobs = S.sample(logits, params, positions, mask)
-    return (tokens, logprobs, S.filter_logits(logits, params, mask),
-            S.probabilities(logits, params, mask))
+    assert len(np.unique(a[:1000])) == 64                        # positions give fresh noise
+    d, _ = draw(logits, seed=99, start=250, temperature=1.0)
+    np.testing.assert_array_equal(a[250:], d[:-250])             # the draw is keyed by position
 
 
 def _row_in_batches(vocab, target, batches, seed=3):
@@ -275,13 +275,13 @@ def _row_in_batches(vocab, target, batches, seed=3):
     return results
 
 
-# Other rows: none / all greedy / all unfiltered / mixed filters / all sorted, bigger batch.
+# Other rows: none / all greedy / all unfiltered / mixed filters / all sorted.
 OTHER_ROWS = [([], 0),
               ([dict(temperature=0.0)] * 3, 2),
               ([dict(temperature=1.0, seed=1)] * 3, 1),
               ([dict(temperature=0.5, top_k=3, seed=2), dict(temperature=2.0, min_p=0.2),
                 dict(temperature=1.0, top_p=0.5, seed=5)], 3),
-              ([dict(temperature=0.7, seed=i, top_k=i) for i in range(9)], 6)]
+              ([dict(temperature=0.7, seed=i, top_k=i + 1, top_p=0.3 * i + 0.1) for i in range(3)], 0)]
 TARGETS = [dict(temperature=1.0, seed=5),                       # no filter: the no-sort path ...
            dict(temperature=0.8, top_p=0.9, seed=6),            # ... and the sorted path
            dict(temperature=1.1, top_k=40, top_p=0.95, min_p=0.01, seed=7),
@@ -331,18 +331,16 @@ def test_request_key_layout():
 
 
 def test_gumbel_noise_is_per_key():
-    keys = S.request_key(jnp.arange(3, dtype=jnp.uint32), jnp.zeros(3, jnp.int32))
-    noise = np.asarray(S.gumbel_noise(keys, 4001))
-    alone = np.asarray(S.gumbel_noise(keys[1:2], 4001))
-    np.testing.assert_array_equal(noise[1], alone[0])
+    keys = S.request_key(jnp.arange(50, dtype=jnp.uint32), 0)
+    noise = np.asarray(gumbel_noise(keys, 4001))
+    np.testing.assert_array_equal(np.asarray(gumbel_noise(keys[::-1], 4001))[::-1], noise)
     assert np.all(np.isfinite(noise))
-    big = np.asarray(S.gumbel_noise(S.request_key(jnp.arange(50, dtype=jnp.uint32), 0), 4001))
-    assert abs(big.mean() - np.euler_gamma) < 0.01 and abs(big.var() - np.pi**2 / 6) < 0.03
-    assert stats.kstest(big.ravel()[:20000], stats.gumbel_r.cdf).pvalue > 0.01
+    assert abs(noise.mean() - np.euler_gamma) < 0.01 and abs(noise.var() - np.pi**2 / 6) < 0.03
+    assert stats.kstest(noise.ravel()[:20000], stats.gumbel_r.cdf).pvalue > 0.01
 
 
 # ---------------------------------------------------------------------------------------------
-# allowed_mask and logprobs
+# allowed_mask
 
 def test_allowed_mask():
     vocab = 40
@@ -350,38 +348,24 @@ def test_allowed_mask():
     allowed = np.zeros(vocab, bool)
     allowed[[1, 5, 9, 22, 30, 31]] = True
     assert not allowed[np.argmax(logits)]
-    tokens, logprobs = draw(logits, 3000, seed=8, allowed=allowed, temperature=1.5)
-    assert set(np.unique(tokens)) <= {1, 5, 9, 22, 30, 31}
-    assert len(np.unique(tokens)) == 6
+    tokens, logprobs = draw(logits, seed=8, allowed=allowed, temperature=1.5)
+    assert set(np.unique(tokens)) == {1, 5, 9, 22, 30, 31}
     masked = np.where(allowed, logits.astype(np.float64), -np.inf)
     log_softmax = masked - np.log(np.exp(masked[allowed]).sum())
     np.testing.assert_allclose(logprobs, log_softmax[tokens], rtol=1e-5)
-    greedy, _ = draw(logits, 4, seed=8, allowed=allowed)
-    assert np.all(greedy == np.argmax(masked))
-    p = np.asarray(probabilities(jnp.asarray(logits)[None], S.sampling_params(1, 1.0),
-                                 jnp.asarray(allowed)[None]))
-    assert np.all(p[0][~allowed] == 0)
-
-
-def test_logprobs_are_raw_model_logprobs():
-    logits = np.random.default_rng(5).normal(size=(4, 300)).astype(np.float32) * 3
-    params = S.sampling_params(4, temperature=[0.0, 0.5, 1.0, 1.5], top_k=[0, 10, 0, 3],
-                               top_p=[1.0, 0.9, 0.5, 1.0], seed=3)
-    tokens, logprobs = sample(jnp.asarray(logits), params, jnp.arange(4, dtype=jnp.int32))
-    l64 = logits.astype(np.float64)
-    log_softmax = l64 - l64.max(-1, keepdims=True)
-    log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
-    np.testing.assert_allclose(logprobs, log_softmax[np.arange(4), np.asarray(tokens)], rtol=1e-5)
+    rows = [dict(temperature=0.0), dict(temperature=1.0, top_k=2)]
+    greedy, _, _, probs = run(np.tile(logits, (2, 1)), rows, allowed)
+    assert greedy[0] == np.argmax(masked)
+    assert np.all(probs[:, ~allowed] == 0)
+    assert (probs[1] > 0).sum() == 2 and probs[1][np.argmax(masked)] > 0
 
 
 def test_row_without_allowed_token():
-    logits = jnp.zeros((2, 8))
-    mask = jnp.array([[False] * 8, [True] * 8])
-    params = S.sampling_params(2, temperature=1.0, top_p=0.9, seed=1)
-    tokens, logprobs = sample(logits, params, jnp.zeros(2, jnp.int32), mask)
-    assert int(tokens[0]) == 0 and float(logprobs[0]) == -np.inf
-    p = np.asarray(probabilities(logits, params, mask))
-    assert np.all(p[0] == 0) and abs(p[1].sum() - 1) < 1e-6
+    mask = np.array([[False] * 8, [True] * 8])
+    tokens, logprobs, _, probs = run(np.zeros((2, 8)), [dict(temperature=1.0, top_p=0.9, seed=1)] * 2,
+                                     mask)
+    assert tokens[0] == 0 and logprobs[0] == -np.inf
+    assert np.all(probs[0] == 0) and abs(probs[1].sum() - 1) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------
