@@ -166,11 +166,19 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
     return kernel(meta, n_items, x, w)
 
 
-def default_blocks(m: int, k: int, n: int) -> dict:
-    """Tile sizes by regime: decode (few rows a group) streams weights with narrow N tiles
-    so more SMs pull weights at once; prefill uses 128x128 tiles."""
+def default_blocks(m: int, k: int, n: int, g: int) -> dict:
+    """Tile sizes by regime (measured on an H200, benchmarks/results/kernels_h200.json).
+
+    Decode (M <= 1024, few rows a group) is weight streaming: 64 x 128 tiles, unless that
+    gives fewer work items than half the SMs (e.g. one token, N = 512: 6 experts x 4 column
+    tiles), then 64-wide column tiles and a deeper pipeline so more SMs pull weights.
+    Prefill: 128 x 128 tiles, 4 stages."""
+    del k
     if m <= 1024:
-        return dict(block_m=64, block_n=128 if n > 64 else 64, block_k=64, max_concurrent_steps=4)
+        items = -(-n // 128) * min(g, m)
+        if items < NUM_SMS // 2 or n <= 64:
+            return dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=6)
+        return dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4)
     return dict(block_m=128, block_n=128 if n > 64 else 64, block_k=64, max_concurrent_steps=4)
 
 
@@ -189,7 +197,7 @@ def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, pad_m: bo
     g, k2, n = w.shape
     if k != k2 or group_sizes.shape != (g,):
         raise ValueError(f"grouped_matmul: shapes x{x.shape} w{w.shape} group_sizes{group_sizes.shape}")
-    cfg = default_blocks(m, k, n)
+    cfg = default_blocks(m, k, n, g)
     cfg.update(blocks)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     # TMA on the tiled layout wants M <= 8 or a multiple of 8: pad (a few rows) only then.

@@ -36,12 +36,39 @@ def _forward(params: Params, tokens: jax.Array) -> jax.Array:
     return transformer.logits_and_streams(params, tokens)[0]
 
 
+def mesh_context(params: Params):
+    """(mesh or None, context manager): params placed by `shard_params` run under their mesh."""
+    import contextlib
+    from shardings.mesh import mesh_of
+    mesh = mesh_of(params)
+    return mesh, (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext())
+
+
+def pad_batch(x: np.ndarray, multiple: int, fill=0) -> np.ndarray:
+    """Pads the leading (batch) axis up to a multiple of the mesh's batch shards."""
+    extra = -x.shape[0] % multiple
+    if not extra:
+        return x
+    return np.concatenate([x, np.full((extra,) + x.shape[1:], fill, x.dtype)], 0)
+
+
 def forward(params: Params, tokens) -> jax.Array:
-    """Logits of every position, no cache: int32 [B, T] -> float32 [B, T, vocab] (spec §2)."""
+    """Logits of every position, no cache: int32 [B, T] -> float32 [B, T, vocab] (spec §2).
+
+    Params placed on a mesh (`shard_params`, `load_params(..., mesh=)`) run under that mesh:
+    the batch is split over dp x ep (padded to a multiple), experts over ep.
+    """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
     check_tokens(tokens, params.config)
-    return _forward(params, jnp.asarray(tokens, jnp.int32))
+    mesh, ctx = mesh_context(params)
+    if mesh is None:
+        return _forward(params, jnp.asarray(tokens, jnp.int32))
+    from shardings.mesh import batch_shards, batch_sharding
+    ids = np.asarray(tokens, np.int32)
+    with ctx:
+        x = jax.device_put(pad_batch(ids, batch_shards(mesh)), batch_sharding(mesh, 2))
+        return _forward(params, x)[: ids.shape[0]]
 
 
 @jax.jit

@@ -200,23 +200,36 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
                      top_k=None, top_p=None, min_p=None, seed=0, stop_tokens=(),
                      return_logprobs=False, pad_id=None, prefill_chunk=512, max_len=None,
                      window_slots=None):
+    from deepinfer_fn.api import mesh_context, pad_batch
     cfg = params.config
     B = tokens.shape[0]
-    sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
+    mesh, _ = mesh_context(params)
+    if mesh is not None:  # pad the batch to the mesh's batch shards with 1-token dummy rows
+        from shardings.mesh import batch_shards, state_shardings
+        shards = batch_shards(mesh)
+        tokens, lengths = pad_batch(tokens, shards), pad_batch(lengths, shards, fill=1)
+        per_row = lambda v: v if np.ndim(v) == 0 or v is None else pad_batch(np.asarray(v), shards, np.asarray(v)[0])
+        temperature, top_k, top_p, min_p, seed = map(per_row, (temperature, top_k, top_p, min_p, seed))
+    Bp = tokens.shape[0]
+    sampling = sampling_params(Bp, temperature, top_k, top_p, min_p, seed)
     need = int(lengths.max()) + max_new_tokens
     capacity = max_len or min(_bucket(need), cfg.max_position_embeddings)
-    state = init_state(cfg, B, capacity, window_slots=window_slots, dtype=params.dtype)
-    logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
+    state = init_state(cfg, Bp, capacity, window_slots=window_slots, dtype=params.dtype)
+    if mesh is not None:
+        state = jax.device_put(state, state_shardings(state, mesh))
+    with mesh_context(params)[1]:
+        logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    done = jnp.zeros((B,), bool)
+    done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     produced = 0
     while produced < max_new_tokens:
         n = min(block, max_new_tokens - produced)
         last = produced + n >= max_new_tokens
-        out, logp, count, state, logits, done = _decode_block(
-            params, state, logits, done, sampling, pad, n=n, stop_tokens=stop_tokens,
-            feed_last=not last)
+        with mesh_context(params)[1]:
+            out, logp, count, state, logits, done = _decode_block(
+                params, state, logits, done, sampling, pad, n=n, stop_tokens=stop_tokens,
+                feed_last=not last)
         produced += n
-        yield GenerateOutput(out, count, done, logp if return_logprobs else None)
-        if last or bool(jnp.all(done)):
+        yield GenerateOutput(out[:B], count[:B], done[:B], logp[:B] if return_logprobs else None)
+        if last or bool(jnp.all(done[:B])):
             return

@@ -61,7 +61,13 @@ def moe_layer(p, x, token_ids, mlp_type: str, cfg: ModelConfig):
     B, T, D = x.shape
     flat_x = x.reshape(B * T, D)
     idx, weights = route(p, flat_x, token_ids.reshape(-1), mlp_type, cfg)
-    out = routed_experts(p, flat_x, idx, weights, cfg.swiglu_limit)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        # Expert parallelism: explicit dispatch / combine collectives (shardings/moe.py).
+        from shardings.moe import ep_routed_experts
+        out = ep_routed_experts(p, flat_x, idx, weights, cfg.swiglu_limit, mesh)
+    else:
+        out = routed_experts(p, flat_x, idx, weights, cfg.swiglu_limit)
     if "shared" in p:
         out = out + dense_expert(p["shared"], flat_x, cfg.swiglu_limit)
     return out.reshape(B, T, D)

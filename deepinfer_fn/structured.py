@@ -1,0 +1,512 @@
+"""Structured output: regular expressions, JSON schemas and Lark/EBNF grammars (DESIGN.md, "structured").
+
+A constraint is a small frozen spec -- `Regex(pattern)`, `JsonSchema(schema)`, `Grammar(lark_text)` --
+compiled per request by llguidance against an llguidance tokenizer built (once per `Tokenizer`) from
+our HF `tokenizer.json`. The per-request `Matcher` walks the request's tokens:
+
+    m = Matcher(JsonSchema({...}), tokenizer, vocab_size=cfg.vocab_size)
+    packed = m.allowed_mask()      # uint32 [ceil(vocab_size / 32)]: bit t of word t // 32 = token t
+    m.consume(token)               # False (and m.error set) if the token was not allowed
+    m.rollback(n)                  # undo the last n consumed tokens (rejected speculative drafts)
+    m.is_accepting(), m.is_finished(), m.error, m.status()
+
+Token ids, special tokens, vocabulary size:
+  * plain tokens are allowed exactly when their bytes extend a string the grammar can still match;
+  * special tokens (the tokenizer's added vocabulary: BOS, chat markers, `</think>`, ...) are never
+    allowed, except EOS (the tokenizer's `eos_id`), which is allowed exactly when the grammar
+    accepts what was generated; once the grammar can extend no further, EOS is the only allowed
+    token, and consuming EOS finishes the matcher;
+  * the model's `vocab_size` may exceed the tokenizer's (padded embedding rows): the extra ids are
+    never allowed.
+
+`think_first=True` (DeepSeek chat, thinking mode): the text is free until the end-of-thinking token
+`</think>` (`tokenizer.end_of_thinking_id`), then constrained. While thinking every tokenizer id but
+EOS is allowed (the answer must still come); rollback may cross back into the thinking part.
+
+An invalid regex, schema or grammar does not raise: the matcher carries `error` (a one-line message)
+and generate() fails that request alone. `ConstrainedBatch` is the host side of generate(): it
+consumes each step's sampled tokens and packs the next step's masks for a whole batch (free rows get
+all-ones); `unpack_bitmask` turns packed masks into the sampler's bool mask on device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Regex", "JsonSchema", "Grammar", "Constraint", "Matcher", "ConstrainedBatch",
+           "ConstraintError", "ll_tokenizer", "grammar_text", "unpack_bitmask", "pack_mask",
+           "unpack_mask", "mask_words"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Regex:
+    """The output must fully match `pattern` (Rust `regex` syntax, anchored at both ends)."""
+
+    pattern: str
+    think_first: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonSchema:
+    """The output must be one JSON value valid under `schema` (a dict, or its JSON text).
+
+    `whitespace_flexible=False` (default) emits compact JSON (no whitespace between tokens): a free
+    whitespace rule lets a weak or random model pad forever; set it True to allow pretty-printed
+    output. `options` are further llguidance JSON compile options (e.g. `item_separator`,
+    `key_separator`, `coerce_one_of`, `lenient`); the schema's own "x-guidance" key overrides both.
+    """
+
+    schema: Union[Mapping, str, bool]
+    whitespace_flexible: bool = False
+    options: Mapping | None = None
+    think_first: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """The output must match a Lark grammar (llguidance's Lark dialect: EBNF rules, `start` rule,
+    /regex/ and "string" terminals, %import common.*, %ignore, special tokens as <|...|>)."""
+
+    lark: str
+    think_first: bool = False
+
+
+Constraint = Union[Regex, JsonSchema, Grammar]
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled (bad regex / schema / grammar, wrong type)."""
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise ImportError("structured output needs the 'llguidance' package "
+                          "(pip install 'llguidance>=1.9')") from e
+    return llguidance
+
+
+def mask_words(vocab_size: int) -> int:
+    """uint32 words of a packed mask over `vocab_size` tokens."""
+    return (int(vocab_size) + 31) // 32
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar (JSON text) of a constraint; raises ConstraintError for a value that
+    is not even well-formed (a schema that is not JSON, a non-string pattern). Whether the regex /
+    schema / grammar itself is valid is found when a Matcher is built."""
+    llg = _llg()
+    if isinstance(constraint, Regex):
+        if not isinstance(constraint.pattern, str):
+            raise ConstraintError(f"Regex pattern must be a str, got {type(constraint.pattern).__name__}")
+        return llg.LLMatcher.grammar_from_regex(constraint.pattern)
+    if isinstance(constraint, Grammar):
+        if not isinstance(constraint.lark, str):
+            raise ConstraintError(f"Grammar text must be a str, got {type(constraint.lark).__name__}")
+        return llg.LLMatcher.grammar_from_lark(constraint.lark)
+    if isinstance(constraint, JsonSchema):
+        schema = constraint.schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"JSON schema is not valid JSON: {e}") from None
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, Mapping):
+            raise ConstraintError(f"JSON schema must be an object (dict), got {type(schema).__name__}")
+        defaults = {"whitespace_flexible": bool(constraint.whitespace_flexible)}
+        defaults.update(constraint.options or {})
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(dict(schema), defaults=defaults)
+        except (ValueError, TypeError) as e:
+            raise ConstraintError(f"JSON schema could not be read: {e}") from None
+    raise ConstraintError(f"constraint must be deepinfer_fn.Regex, JsonSchema or Grammar, got "
+                          f"{type(constraint).__name__}")
+
+
+_LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LL_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer):
+    """The llguidance tokenizer of a `deepinfer_fn.text.Tokenizer` (built once per tokenizer
+    object: about a second for the 129,280-token V4 vocabulary). EOS = the tokenizer's eos_id;
+    the added vocabulary is special (never matched by grammar text)."""
+    with _LL_LOCK:
+        lt = _LL_TOKENIZERS.get(tokenizer)
+        if lt is None:
+            if tokenizer.eos_id is None:
+                raise ConstraintError(f"{tokenizer!r} has no EOS token: a constrained request "
+                                      f"could never end")
+            llg = _llg()
+            lt = llg.LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size,
+                                 eos_token=int(tokenizer.eos_id))
+            _LL_TOKENIZERS[tokenizer] = lt
+        return lt
+
+
+def _short(message: str) -> str:
+    """llguidance's first line of an error (its verbose state dump follows)."""
+    line = message.strip().split("\n<state>")[0].strip()
+    return " ".join(line.split()) or "unknown error"
+
+
+def pack_mask(allowed) -> np.ndarray:
+    """bool [..., V] -> uint32 [..., ceil(V/32)] (bit t % 32 of word t // 32 is token t)."""
+    allowed = np.asarray(allowed, bool)
+    V = allowed.shape[-1]
+    pad = mask_words(V) * 32 - V
+    bits = np.pad(allowed, [(0, 0)] * (allowed.ndim - 1) + [(0, pad)])
+    return np.packbits(bits, axis=-1, bitorder="little").view(np.uint32)
+
+
+def unpack_mask(packed, vocab_size: int) -> np.ndarray:
+    """Host inverse of pack_mask: uint32 [..., W] -> bool [..., vocab_size]."""
+    packed = np.ascontiguousarray(packed, np.uint32)
+    bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
+def unpack_bitmask(packed: jax.Array, vocab_size: int) -> jax.Array:
+    """Device unpack (jittable): uint32 [B, W] -> bool [B, vocab_size], the sampler's allowed_mask."""
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (packed[..., None] >> shifts) & jnp.uint32(1)
+    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 32)[..., :vocab_size] != 0
+
+
+class Matcher:
+    """One request's constraint state over the model's vocabulary (see the module docstring).
+
+    `vocab_size` is the model's (default: the tokenizer's); it must be >= the tokenizer's.
+    Never raises for a bad constraint: check `error` (a one-line message) instead.
+    """
+
+    def __init__(self, constraint: Constraint, tokenizer, vocab_size: int | None = None):
+        V_tok = int(tokenizer.vocab_size)
+        self.vocab_size = V_tok if vocab_size is None else int(vocab_size)
+        if self.vocab_size < V_tok:
+            raise ValueError(f"model vocab_size {self.vocab_size} is smaller than the tokenizer's "
+                             f"{V_tok}: the tokenizer does not belong to this model")
+        self.constraint = constraint
+        self.eos_id = int(tokenizer.eos_id) if tokenizer.eos_id is not None else None
+        self.words = mask_words(self.vocab_size)
+        self.think_first = bool(getattr(constraint, "think_first", False))
+        self.end_of_thinking_id = tokenizer.end_of_thinking_id
+        self.error: str | None = None
+        self._thinking = self.think_first
+        self._think_tokens = 0      # tokens consumed while thinking, </think> included
+        self._answer_tokens = 0     # tokens consumed by the grammar, EOS included
+        self._eos_consumed = False
+        self._ll = None
+        if self.think_first and self.end_of_thinking_id is None:
+            self.error = f"think_first: {tokenizer!r} has no {'</think>'!r} token"
+            return
+        try:
+            lt = ll_tokenizer(tokenizer)
+            self._ll_words = mask_words(lt.vocab_size)
+            self._tok_vocab = lt.vocab_size
+            grammar = grammar_text(constraint)
+            self._ll = _llg().LLMatcher(lt, grammar, log_level=0)
+        except ConstraintError as e:
+            self.error = str(e)
+            return
+        if self._ll.is_error():
+            self.error = f"invalid {type(constraint).__name__}: {_short(self._ll.get_error())}"
+        self._scratch = np.zeros((self._ll_words,), np.uint32)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def thinking(self) -> bool:
+        """True while a think_first request is still before its `</think>`."""
+        return self._thinking
+
+    def is_accepting(self) -> bool:
+        """The answer so far is a complete match (EOS would be allowed now)."""
+        if self.error is not None or self._thinking:
+            return False
+        return self._eos_consumed or self._ll.is_accepting()
+
+    def is_finished(self) -> bool:
+        """Nothing more can be generated: EOS consumed, or an error."""
+        return self.error is not None or self._eos_consumed
+
+    def is_complete(self) -> bool:
+        """The grammar can extend no further (EOS is the only allowed token) or EOS was consumed."""
+        if self.error is not None or self._thinking:
+            return False
+        return self._eos_consumed or self._ll.is_stopped()
+
+    def status(self) -> str:
+        """'complete' (a full match), 'incomplete' (the text so far is only a prefix of one),
+        or 'error: <message>'."""
+        if self.error is not None:
+            return f"error: {self.error}"
+        return "complete" if self.is_accepting() else "incomplete"
+
+    # ---- masks ------------------------------------------------------------------------------
+
+    def _think_mask(self, out: np.ndarray):
+        out[:] = 0
+        full, rest = divmod(self._tok_vocab, 32)
+        out[:full] = 0xFFFFFFFF
+        if rest:
+            out[full] = (1 << rest) - 1
+        if self.eos_id is not None:
+            out[self.eos_id // 32] &= ~np.uint32(1 << (self.eos_id % 32))
+
+    def fill_mask(self, out: np.ndarray, ll_mask: np.ndarray | None = None):
+        """Writes the packed allowed-token mask (uint32 [words]) into `out`. `ll_mask` is the
+        llguidance mask when already computed (batched by ConstrainedBatch). An error or an
+        empty mask sets `error`, and the mask is all-zero."""
+        if self.error is not None or self._eos_consumed:
+            out[:] = 0
+            return
+        if self._thinking:
+            self._think_mask(out)
+            return
+        if ll_mask is None:
+            ll_mask = self._scratch
+            self._ll.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
+            if self._ll.is_error():
+                self.error = _short(self._ll.get_error())
+                out[:] = 0
+                return
+        n = self._ll_words
+        out[:n] = ll_mask
+        out[n:] = 0
+        rest = self._tok_vocab % 32
+        if rest:
+            out[n - 1] &= np.uint32((1 << rest) - 1)
+        if not out.any():
+            self.error = "the constraint allows no token here (unsatisfiable)"
+
+    def allowed_mask(self) -> np.ndarray:
+        """Packed mask of the tokens allowed next: uint32 [ceil(vocab_size / 32)]."""
+        out = np.zeros((self.words,), np.uint32)
+        self.fill_mask(out)
+        return out
+
+    # ---- tokens -----------------------------------------------------------------------------
+
+    def consume(self, token: int) -> bool:
+        """Advances by one sampled token; False (and `error` set) if it was not allowed."""
+        if self.error is not None:
+            return False
+        token = int(token)
+        if self._thinking:
+            if token == self.eos_id or not 0 <= token < self._tok_vocab:
+                self.error = f"token {token} is not allowed while thinking"
+                return False
+            self._think_tokens += 1
+            if token == self.end_of_thinking_id:
+                self._thinking = False
+            return True
+        if self._eos_consumed:
+            self.error = f"token {token} after EOS"
+            return False
+        if not 0 <= token < self._tok_vocab or not self._ll.consume_token(token):
+            self.error = (f"token {token} does not satisfy the constraint"
+                          + (f": {_short(self._ll.get_error())}" if self._ll.is_error() else ""))
+            return False
+        self._answer_tokens += 1
+        if token == self.eos_id:
+            self._eos_consumed = True
+        return True
+
+    def consume_many(self, tokens: Sequence[int]) -> int:
+        """Consumes tokens until one is rejected; returns how many were consumed."""
+        for n, t in enumerate(tokens):
+            if not self.consume(t):
+                return n
+        return len(tokens)
+
+    def rollback(self, n: int) -> bool:
+        """Undoes the last `n` consumed tokens (e.g. rejected speculative drafts). False if n
+        exceeds what was consumed; an error state is never rolled back."""
+        n = int(n)
+        if self.error is not None or n < 0 or n > self._think_tokens + self._answer_tokens:
+            return False
+        k = min(n, self._answer_tokens)
+        if k:
+            if not self._ll.rollback(k):
+                self.error = f"rollback failed: {_short(self._ll.get_error())}"
+                return False
+            self._answer_tokens -= k
+            self._eos_consumed = False
+        if n > k:  # back into the thinking part: </think> itself is undone
+            self._think_tokens -= n - k
+            self._thinking = True
+        return True
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = _llg().LLExecutor()
+    return _EXECUTOR
+
+
+class ConstrainedBatch:
+    """Host side of constrained generate(): one Matcher (or None = free row) per batch row.
+
+    `initial()` gives the first step's packed masks and the rows already finished (those whose
+    constraint failed to compile); `step(tokens, active)` consumes each active row's sampled token
+    and returns the next packed masks and the rows the constraint finished (EOS consumed, error).
+    Free and finished rows get all-ones masks (no restriction: the sampler output is unchanged).
+    """
+
+    def __init__(self, matchers: Sequence[Matcher | None], vocab_size: int):
+        self.matchers = list(matchers)
+        self.vocab_size = int(vocab_size)
+        self.words = mask_words(vocab_size)
+        B = len(self.matchers)
+        self._masks = np.full((B, self.words), 0xFFFFFFFF, np.uint32)
+        ll_words = {m._ll_words for m in self.matchers if m is not None and m._ll is not None}
+        self._ll_words = ll_words.pop() if len(ll_words) == 1 else None
+        self._scratch = (np.zeros((B, self._ll_words), np.uint32)
+                         if self._ll_words is not None else None)
+        self.step_seconds: list[float] = []
+
+    @classmethod
+    def build(cls, constraint, batch: int, tokenizer, vocab_size: int) -> "ConstrainedBatch":
+        """One constraint for all rows, or a sequence of length `batch` (None = free row)."""
+        if constraint is None:
+            raise ValueError("no constraint")
+        if isinstance(constraint, (Regex, JsonSchema, Grammar)):
+            specs = [constraint] * batch
+        elif isinstance(constraint, Sequence) and not isinstance(constraint, (str, bytes)):
+            specs = list(constraint)
+            if len(specs) != batch:
+                raise ValueError(f"constraint: expected one constraint or a list of {batch} "
+                                 f"(None for a free row), got a list of {len(specs)}")
+        else:
+            raise TypeError(f"constraint must be deepinfer_fn.Regex, JsonSchema, Grammar or a list "
+                            f"of them (None for free rows), got {type(constraint).__name__}")
+        for s in specs:
+            if s is not None and not isinstance(s, (Regex, JsonSchema, Grammar)):
+                raise TypeError(f"constraint list entries must be Regex, JsonSchema, Grammar or "
+                                f"None, got {type(s).__name__}")
+        cache: dict[int, Matcher] = {}
+        matchers = []
+        for s in specs:
+            if s is None:
+                matchers.append(None)
+            else:  # the same spec object in several rows compiles once, then is copied
+                if id(s) not in cache:
+                    cache[id(s)] = Matcher(s, tokenizer, vocab_size)
+                    matchers.append(cache[id(s)])
+                else:
+                    matchers.append(cache[id(s)]._copy())
+        return cls(matchers, vocab_size)
+
+    def _fill(self, rows):
+        """Next masks of `rows` into self._masks; llguidance rows in one parallel call."""
+        ll_rows = [b for b in rows if self.matchers[b].error is None
+                   and not self.matchers[b].thinking]
+        if len(ll_rows) > 1 and self._scratch is not None:
+            _executor().unsafe_compute_mask_ptr(
+                [(self.matchers[b]._ll, b) for b in ll_rows], self._scratch.ctypes.data,
+                self._ll_words * 4, self._scratch.shape[0])
+            for b in rows:
+                m = self.matchers[b]
+                if b in ll_rows and m._ll.is_error():
+                    m.error = _short(m._ll.get_error())
+                m.fill_mask(self._masks[b], self._scratch[b] if b in ll_rows else None)
+        else:
+            for b in rows:
+                self.matchers[b].fill_mask(self._masks[b])
+
+    def initial(self) -> tuple[np.ndarray, np.ndarray]:
+        rows = [b for b, m in enumerate(self.matchers) if m is not None]
+        self._fill(rows)
+        finished = np.array([m is not None and m.is_finished() for m in self.matchers])
+        self._masks[finished] = 0xFFFFFFFF
+        return self._masks.copy(), finished
+
+    def step(self, tokens, active) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
+        tokens = np.asarray(tokens)
+        active = np.asarray(active, bool)
+        finished = np.zeros((len(self.matchers),), bool)
+        live = []
+        for b, m in enumerate(self.matchers):
+            if m is None or not active[b]:
+                continue
+            m.consume(int(tokens[b]))
+            if m.is_finished():
+                finished[b] = True
+                self._masks[b] = 0xFFFFFFFF
+            else:
+                live.append(b)
+        self._fill(live)
+        for b in live:
+            if self.matchers[b].is_finished():  # the mask step found an error
+                finished[b] = True
+                self._masks[b] = 0xFFFFFFFF
+        self.step_seconds.append(time.perf_counter() - t0)
+        return self._masks.copy(), finished
+
+    def statuses(self) -> tuple[str | None, ...]:
+        return tuple(None if m is None else m.status() for m in self.matchers)
+
+
+def _matcher_copy(self: Matcher) -> Matcher:
+    """A fresh matcher of the same compiled constraint (llguidance deep copy, state included)."""
+    new = object.__new__(Matcher)
+    new.__dict__.update(self.__dict__)
+    if self._ll is not None:
+        new._ll = self._ll.deep_copy()
+        new._scratch = np.zeros_like(self._scratch)
+    return new
+
+
+Matcher._copy = _matcher_copy
+
+
+# ---- the jitted decode loop's host callback: a registry of live batches ---------------------------
+
+_SESSIONS: dict[int, ConstrainedBatch] = {}
+_SESSION_IDS = itertools.count(1)
+
+
+def register(batch: ConstrainedBatch) -> int:
+    sid = next(_SESSION_IDS) & 0x7FFFFFFF
+    _SESSIONS[sid] = batch
+    return sid
+
+
+def unregister(sid: int):
+    _SESSIONS.pop(sid, None)
+
+
+def host_step(session, tokens, active):
+    """io_callback target: (session id, sampled tokens [B], active [B]) -> (packed masks [B,W]
+    uint32, finished [B] bool). Never raises: a failure marks the affected rows as errors."""
+    batch = _SESSIONS[int(session)]
+    try:
+        return batch.step(tokens, active)
+    except Exception as e:  # noqa: BLE001 - a host failure must not take down the device loop
+        masks = np.full((len(batch.matchers), batch.words), 0xFFFFFFFF, np.uint32)
+        finished = np.zeros((len(batch.matchers),), bool)
+        for b, m in enumerate(batch.matchers):
+            if m is not None and not m.is_finished():
+                m.error = f"host mask step failed: {type(e).__name__}: {e}"
+                finished[b] = True
+        return masks, finished

@@ -1,0 +1,104 @@
+"""Named meshes and logical-axis rules: the one place that maps model axes to devices.
+
+Mesh axes: `dp` (attention data parallel), `ep` (expert parallel), `tp` (tensor parallel,
+optional). Attention is data-parallel over every device (the batch is split over dp x ep, as
+DeepInfer's DP64/EP64 decode does); routed experts are split over `ep` and replicated over
+`dp`; dense weights are replicated (or split over `tp` along the axes the rules name).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from deepinfer_fn.params import Params, is_spec, param_specs
+
+BATCH_AXES = ("dp", "ep")
+
+# logical axis -> mesh axes (None = replicated). One table for params and decode state.
+RULES: dict[str, Any] = {
+    "batch": BATCH_AXES,
+    "expert": "ep",
+    "mlp": "tp",
+    "q_heads": "tp",
+    "o_groups": "tp",
+    "index_heads": "tp",
+    "vocab": None,
+}
+
+
+def make_mesh(dp: int = 1, ep: int = 1, tp: int = 1, devices=None) -> Mesh:
+    """A (dp, ep, tp) mesh over `devices` (default: all, across processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = dp * ep * tp
+    if n != len(devices):
+        raise ValueError(f"mesh dp={dp} x ep={ep} x tp={tp} = {n} devices, but {len(devices)} "
+                         f"are available")
+    return Mesh(np.asarray(devices).reshape(dp, ep, tp), ("dp", "ep", "tp"))
+
+
+def batch_shards(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def logical_spec(axes, shape, mesh: Mesh, rules=RULES) -> P:
+    """PartitionSpec for a tensor with logical `axes`; a dim that a mesh axis does not divide
+    stays replicated along it (e.g. tiny test configs), never silently mis-sharded."""
+    out = []
+    for ax, dim in zip(axes, shape):
+        target = rules.get(ax) if ax is not None else None
+        if target is None:
+            out.append(None)
+            continue
+        names = (target,) if isinstance(target, str) else tuple(target)
+        names = tuple(a for a in names if mesh.shape.get(a, 1) > 1)
+        size = math.prod(mesh.shape[a] for a in names)
+        if not names or dim % size:
+            out.append(None)
+        else:
+            out.append(names[0] if len(names) == 1 else names)
+    return P(*out)
+
+
+def param_shardings(params_or_cfg, mesh: Mesh, rules=RULES):
+    """NamedShardings for every weight, derived from the abstract description (`param_specs`)."""
+    if isinstance(params_or_cfg, Params):
+        cfg, include_mtp = params_or_cfg.config, bool(params_or_cfg["mtp"])
+    else:
+        cfg, include_mtp = params_or_cfg, True
+    specs = param_specs(cfg, include_mtp=include_mtp)
+    return jax.tree.map(lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh, rules)),
+                        specs, is_leaf=is_spec)
+
+
+def shard_params(params: Params, mesh: Mesh, rules=RULES) -> Params:
+    """Places params on `mesh` (routed experts over ep, the rest replicated / tp-split)."""
+    shardings = param_shardings(params, mesh, rules)
+    weights = dict(params.weights)
+    placed = {k: jax.device_put(v, shardings[k]) for k, v in weights.items() if k in shardings}
+    for k, v in weights.items():  # extra leaves (e.g. replica tables) are replicated
+        if k not in placed:
+            placed[k] = jax.device_put(v, NamedSharding(mesh, P()))
+    return Params(placed, params.config)
+
+
+def mesh_of(params: Params) -> Mesh | None:
+    """The mesh params were placed on (None for single-device / unsharded params)."""
+    leaf = params["embed"]
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        return sharding.mesh
+    return None
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def state_shardings(state, mesh: Mesh):
+    """Decode-state shardings: every array is split over the batch (its leading axis)."""
+    return jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), state)
