@@ -37,11 +37,23 @@ def _forward(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def mesh_context(params: Params):
-    """(mesh or None, context manager): params placed by `shard_params` run under their mesh."""
+    """(mesh or None, context manager): params placed by `shard_params` run under their mesh.
+
+    The context is created lazily: `jax.set_mesh(mesh)` changes the global mesh as soon as it
+    is called, so it must only be called as the `with` statement is entered.
+    """
     import contextlib
     from shardings.mesh import mesh_of
     mesh = mesh_of(params)
-    return mesh, (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext())
+
+    @contextlib.contextmanager
+    def ctx():
+        if mesh is None:
+            yield
+        else:
+            with jax.set_mesh(mesh):
+                yield
+    return mesh, ctx()
 
 
 def pad_batch(x: np.ndarray, multiple: int, fill=0) -> np.ndarray:

@@ -137,6 +137,18 @@ def grammar_text(constraint: Constraint) -> str:
                           f"{type(constraint).__name__}")
 
 
+_DEFAULT_TOKENIZER = None
+
+
+def default_tokenizer():
+    """The DeepSeek-V4 vocabulary (`text.load_tokenizer()`), loaded once."""
+    global _DEFAULT_TOKENIZER
+    if _DEFAULT_TOKENIZER is None:
+        from deepinfer_fn import text
+        _DEFAULT_TOKENIZER = text.load_tokenizer()
+    return _DEFAULT_TOKENIZER
+
+
 _LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LL_LOCK = threading.Lock()
 
@@ -318,13 +330,18 @@ class Matcher:
         if self._eos_consumed:
             self.error = f"token {token} after EOS"
             return False
+        if token == self.eos_id:  # kept out of llguidance (whose history may skip it)
+            if not self._ll.is_accepting():
+                self.error = f"EOS (token {token}) before the constraint is complete"
+                return False
+            self._answer_tokens += 1
+            self._eos_consumed = True
+            return True
         if not 0 <= token < self._tok_vocab or not self._ll.consume_token(token):
             self.error = (f"token {token} does not satisfy the constraint"
                           + (f": {_short(self._ll.get_error())}" if self._ll.is_error() else ""))
             return False
         self._answer_tokens += 1
-        if token == self.eos_id:
-            self._eos_consumed = True
         return True
 
     def consume_many(self, tokens: Sequence[int]) -> int:
@@ -342,7 +359,8 @@ class Matcher:
             return False
         k = min(n, self._answer_tokens)
         if k:
-            if not self._ll.rollback(k):
+            ll_k = k - int(self._eos_consumed)
+            if ll_k and not self._ll.rollback(ll_k):
                 self.error = f"rollback failed: {_short(self._ll.get_error())}"
                 return False
             self._answer_tokens -= k
@@ -415,6 +433,16 @@ class ConstrainedBatch:
                 else:
                     matchers.append(cache[id(s)]._copy())
         return cls(matchers, vocab_size)
+
+    def pad_rows(self, rows: int):
+        """Extends the batch with free rows up to `rows` (mesh padding)."""
+        extra = rows - len(self.matchers)
+        if extra > 0:
+            self.matchers += [None] * extra
+            self._masks = np.concatenate(
+                [self._masks, np.full((extra, self.words), 0xFFFFFFFF, np.uint32)])
+            if self._scratch is not None:
+                self._scratch = np.zeros((rows, self._ll_words), np.uint32)
 
     def _fill(self, rows):
         """Next masks of `rows` into self._masks; llguidance rows in one parallel call."""

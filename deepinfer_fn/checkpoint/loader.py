@@ -9,6 +9,7 @@ quantized with our own FP8/FP4 quantizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -188,13 +189,29 @@ def _check_shape(ck, name, got, want):
                               f"expected {list(want)}")
 
 
+def _read_shard(ck, names, spec: Spec, cfg, out_dtype, index) -> np.ndarray:
+    """The part `index` (a tuple of slices of the internal array) of one weight. Routed
+    experts read only the experts of the shard; other weights are read whole (they are
+    replicated or tp-split) and sliced."""
+    if spec.layout == "experts":
+        experts = range(spec.shape[0])[index[0]]
+        value = to_internal(spec, [_read_weight(ck, names[e], spec, cfg) for e in experts])
+        value = value[(slice(None),) + tuple(index[1:])]
+    else:
+        value = to_internal(spec, [_read_weight(ck, n, spec, cfg) for n in names])[tuple(index)]
+    return np.asarray(value).astype(jnp.dtype(out_dtype))
+
+
 def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
                 config: ModelConfig | None = None, include_mtp: bool | None = None,
-                progress: bool = False) -> Params:
+                progress: bool = False, mesh=None) -> Params:
     """Params from an HF-format directory (official or transformers-saved names).
 
     dtype: the activation/weight dtype; mHC params, sinks, ape, norms and router bias stay
     float32 (§2.12). include_mtp: None loads the MTP block iff the checkpoint has it.
+    mesh: place every tensor straight onto its sharding (`shardings.RULES`) with
+    `make_array_from_callback`; each device reads only its slice (routed experts: only its
+    experts), one weight at a time, so the model is never whole in host or device memory.
     Every missing, unknown, mis-shaped or mis-typed tensor raises `CheckpointError` naming
     the tensor and its file.
     """
@@ -221,16 +238,27 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
     flat_prefix = jax.tree.leaves(prefixes)
     assert jax.tree.structure(prefixes) == jax.tree.structure(specs, is_leaf=is_spec)
 
-    iterator = zip(flat_specs, flat_prefix)
+    shardings = None
+    if mesh is not None:
+        from shardings.mesh import logical_spec
+        from jax.sharding import NamedSharding
+        shardings = [NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh)) for s in flat_specs]
+    iterator = enumerate(zip(flat_specs, flat_prefix))
     if progress:
         from tqdm.auto import tqdm
         iterator = tqdm(iterator, total=len(flat_specs), desc=f"loading {os.path.basename(path)}")
     leaves = []
-    for spec, prefix in iterator:
-        arrays = [_read_weight(ck, name, spec, cfg) for name in tensor_names(spec, prefix)]
-        value = to_internal(spec, arrays)
-        assert value.shape == spec.shape, (spec.ckpt, value.shape, spec.shape)
-        leaves.append(jnp.asarray(value, dtype=leaf_dtype(spec, dtype)))
+    for i, (spec, prefix) in iterator:
+        names = tensor_names(spec, prefix)
+        out_dtype = leaf_dtype(spec, dtype)
+        if shardings is None:
+            value = to_internal(spec, [_read_weight(ck, n, spec, cfg) for n in names])
+            assert value.shape == spec.shape, (spec.ckpt, value.shape, spec.shape)
+            leaves.append(jnp.asarray(value, dtype=out_dtype))
+        else:
+            leaves.append(jax.make_array_from_callback(
+                spec.shape, shardings[i],
+                functools.partial(_read_shard, ck, names, spec, cfg, out_dtype)))
 
     unused = sorted(set(ck.where) - ck.used)
     if not include_mtp:
