@@ -167,6 +167,13 @@ def main():
     print(f"device {jax.devices()[0].device_kind}; measured HBM bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
 
+    def save():
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"preset": args.preset, "device": jax.devices()[0].device_kind,
+                       "jax": jax.__version__, "hbm_bandwidth_Bps": bw, "steps": args.steps,
+                       "reps": args.reps, "results": rows}, f, indent=1)
+
     def measure(batch, context, force_xla):
         ctx = [kernels.use(op, "xla") for op in ("grouped_matmul", "attention", "sparse_attention")] if force_xla else []
         for c in ctx:
@@ -183,6 +190,7 @@ def main():
                    tokens_per_s=batch / step_s, bytes_per_step=need, roofline_ms=roof * 1e3,
                    achieved_over_roofline=roof / step_s, compile_s=compile_s)
         rows.append(row)
+        save()
         print(f"B={batch:3d} ctx={context:6d} {'xla-only' if force_xla else 'registry':9s} "
               f"step {step_s * 1e3:8.3f} ms  {batch / step_s:9.1f} tok/s  "
               f"roofline {roof * 1e3:7.3f} ms  achieved/roofline {roof / step_s:6.3f}  "
@@ -194,11 +202,7 @@ def main():
     for point in filter(None, args.compare_xla.split(",")):
         b, c = (int(v) for v in point.split(":"))
         measure(b, c, True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"preset": args.preset, "device": jax.devices()[0].device_kind,
-                   "jax": jax.__version__, "hbm_bandwidth_Bps": bw, "steps": args.steps,
-                   "reps": args.reps, "results": rows}, f, indent=1)
+    save()
     print(f"wrote {args.out}")
 
 

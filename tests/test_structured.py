@@ -76,9 +76,13 @@ def _generate(model, tok, prompts, constraint, temperature=0.0, **kw):
 
 
 def _texts(out, tok):
-    """Per row: (text without a final EOS, whether it ended with EOS)."""
+    """Per constrained row: (text without a final EOS, whether it ended with EOS); free rows
+    (random-model ids may lie past the tokenizer) give (None, False)."""
     rows = []
     for b in range(B):
+        if out.constraint_status[b] is None:
+            rows.append((None, False))
+            continue
         ids = np.asarray(out.tokens[b, :int(out.lengths[b])]).tolist()
         eos = bool(ids) and ids[-1] == tok.eos_id
         rows.append((tok.decode(ids[:-1] if eos else ids), eos))

@@ -1,0 +1,223 @@
+"""Host cost of structured output on the real 129,280-token DeepSeek-V4 vocabulary (CPU only).
+
+For a JSON schema, a regex and an EBNF arithmetic grammar: the llguidance compile time of one
+request, then a walk through a valid answer (the V4 tokenization of a reference string) timing at
+every step the packed allowed-token mask (`Matcher.fill_mask`: 4,040 uint32 words) and the token
+consume. Then the batched host step of generate()'s decode loop (`ConstrainedBatch.step`: consume B
+tokens + B masks through llguidance's parallel executor) for B = 1, 8, 32 rows of the same schema,
+the on-device unpack of B packed masks (jitted, CPU), and the end-to-end per-step overhead of the
+io_callback in the decode loop (tiny random model with the V4 vocabulary, constrained vs free).
+
+    python benchmarks/structured_mask.py [--out benchmarks/results/structured_mask.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import deepinfer_fn as di
+from deepinfer_fn import structured
+from deepinfer_fn.structured import ConstrainedBatch, Grammar, JsonSchema, Matcher, Regex
+
+VOCAB = 129280
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z]+\\.(com|org)$"},
+        "tags": {"type": "array", "items": {"enum": ["admin", "user", "guest"]}, "maxItems": 3},
+        "address": {"type": "object", "properties": {
+            "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"], "additionalProperties": False},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["name", "age", "email", "address"], "additionalProperties": False,
+}
+SCHEMA_EXAMPLE = json.dumps(
+    {"name": "Ada Lovelace, Countess of Lovelace", "age": 36, "email": "ada.king@analytical.org",
+     "tags": ["admin", "user"], "address": {"city": "London, Marylebone", "zip": "10115"},
+     "score": 0.9375}, separators=(",", ":"))
+
+REGEX = (r"(Mr|Ms|Dr)\. [A-Z][a-z]{1,20} [A-Z][a-z]{1,20}, born \d{4}-\d{2}-\d{2}, "
+         r"email [a-z0-9.]{1,30}@[a-z]{2,12}\.(com|org|net)")
+REGEX_EXAMPLE = "Dr. Grace Hopper, born 1906-12-09, email grace.hopper@navy.net"
+
+ARITHMETIC = r"""
+start: expr
+expr: term (ADDOP term)*
+term: factor (MULOP factor)*
+factor: NUMBER | "(" expr ")" | "-" factor
+ADDOP: "+" | "-"
+MULOP: "*" | "/"
+NUMBER: /[0-9]{1,3}(\.[0-9]{1,2})?/
+"""
+ARITHMETIC_EXAMPLE = "(12+34.5)*-(6-7/(8+9.25))+100*(3-(2+1))/-4.75-((1+2)*(3+4))"
+
+CASES = [("json_schema", JsonSchema(SCHEMA), SCHEMA_EXAMPLE),
+         ("regex", Regex(REGEX), REGEX_EXAMPLE),
+         ("arithmetic_grammar", Grammar(ARITHMETIC), ARITHMETIC_EXAMPLE)]
+
+
+def stats(xs) -> dict:
+    a = np.asarray(xs) * 1e3
+    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)),
+            "p90_ms": float(np.percentile(a, 90)), "max_ms": float(a.max()), "n": int(a.size)}
+
+
+def walk(constraint, tok, ids):
+    """Time compile, then mask + consume at every step of a valid answer (then EOS)."""
+    t0 = time.perf_counter()
+    m = Matcher(constraint, tok, VOCAB)
+    compile_s = time.perf_counter() - t0
+    assert m.error is None, m.error
+    out = np.zeros((m.words,), np.uint32)
+    mask_s, consume_s, allowed = [], [], []
+    for t in list(ids) + [tok.eos_id]:
+        t0 = time.perf_counter()
+        m.fill_mask(out)
+        mask_s.append(time.perf_counter() - t0)
+        allowed.append(int(np.unpackbits(out.view(np.uint8)).sum()))
+        assert structured.unpack_mask(out, VOCAB)[t], (t, tok.decode([t]))
+        t0 = time.perf_counter()
+        assert m.consume(t), m.error
+        consume_s.append(time.perf_counter() - t0)
+    assert m.status() == "complete"
+    return compile_s, mask_s, consume_s, allowed
+
+
+def batch_step(constraint, tok, ids, rows, repeats):
+    """ConstrainedBatch.step time per decode step for `rows` identical constrained rows."""
+    times = []
+    for _ in range(repeats):
+        batch = ConstrainedBatch.build(constraint, rows, tok, VOCAB)
+        batch.initial()
+        active = np.ones((rows,), bool)
+        for t in ids:
+            batch.step(np.full((rows,), t, np.int32), active)
+        times += batch.step_seconds
+    return times
+
+
+def device_unpack(rows, repeats=20):
+    f = jax.jit(structured.unpack_bitmask, static_argnums=1)
+    packed = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, (rows, 4040), np.uint32))
+    f(packed, VOCAB).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        f(packed, VOCAB).block_until_ready()
+    return (time.perf_counter() - t0) / repeats
+
+
+def loop_overhead(tok, steps, repeats=3):
+    """Per decode step, tiny random model with the V4 vocabulary, batch 4: generate() with a
+    constraint that allows every plain token (free text of exactly `steps` chars is too strict:
+    Regex('(?s).{1,4000}') lets the model write) vs the same call unconstrained."""
+    cfg = di.ModelConfig.preset("tiny", vocab_size=VOCAB)
+    params = di.init_params(cfg, jax.random.key(0))
+    prompts = np.asarray([tok.encode("Hello, how are you today? I am")[:8]] * 4, np.int32)
+    kw = dict(max_new_tokens=steps, temperature=1.0, seed=[1, 2, 3, 4])
+    res = {}
+    for name, c in [("free", None), ("constrained", Regex(r"(?s).{1,4000}"))]:
+        ckw = dict(kw, constraint=c, tokenizer=tok) if c is not None else kw
+        out = di.generate(params, prompts, **ckw)  # compile
+        out.tokens.block_until_ready()
+        best = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = di.generate(params, prompts, **ckw)
+            out.tokens.block_until_ready()
+            best.append(time.perf_counter() - t0)
+        res[name] = min(best) / steps
+        if c is not None:
+            assert all(s == "incomplete" or s == "complete" for s in out.constraint_status)
+    res["overhead_ms_per_step"] = (res["constrained"] - res["free"]) * 1e3
+    return {"free_ms_per_step": res["free"] * 1e3,
+            "constrained_ms_per_step": res["constrained"] * 1e3,
+            "overhead_ms_per_step": res["overhead_ms_per_step"], "batch": 4, "steps": steps}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "structured_mask.json"))
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, no decode-loop run")
+    args = ap.parse_args()
+    repeats = 1 if args.quick else 3
+
+    import llguidance
+    t0 = time.perf_counter()
+    tok = structured.default_tokenizer()
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    structured.ll_tokenizer(tok)
+    ll_s = time.perf_counter() - t0
+    assert tok.vocab_size == VOCAB
+    print(f"V4 tokenizer: load {load_s:.2f} s, llguidance tokenizer build {ll_s:.2f} s "
+          f"(once per process); mask = {structured.mask_words(VOCAB)} uint32 words")
+
+    results = {"vocab_size": VOCAB, "tokenizer_load_s": load_s, "ll_tokenizer_build_s": ll_s,
+               "cases": {}, "batch_step": {}, "device_unpack_ms": {},
+               "env": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                       "llguidance": getattr(llguidance, "__version__", "?"),
+                       "jax": jax.__version__, "python": platform.python_version()}}
+    hdr = (f"{'constraint':<20}{'compile ms':>11}{'steps':>6}{'mask mean':>10}{'median':>8}"
+           f"{'p90':>8}{'max':>8}{'consume':>9}{'allowed/step':>14}   (ms; first walk / later walks)")
+    print(hdr)
+    for name, c, example in CASES:
+        ids = tok.encode(example)
+        walks = [walk(c, tok, ids) for _ in range(repeats)]
+        comp, mask, cons, allowed = walks[0]
+        later = [x for w in walks[1:] for x in w[1]] or mask
+        first, rest = stats(mask), stats(later)
+        results["cases"][name] = {
+            "example": example, "tokens": len(ids) + 1, "compile_ms": comp * 1e3,
+            "mask_first_walk": first, "mask_later_walks": rest, "consume": stats(cons),
+            "allowed_tokens_per_step_mean": float(np.mean(allowed))}
+        print(f"{name:<20}{comp * 1e3:>11.2f}{len(ids) + 1:>6}"
+              f"{first['mean_ms']:>10.3f}{first['median_ms']:>8.3f}{first['p90_ms']:>8.3f}"
+              f"{first['max_ms']:>8.3f}{stats(cons)['mean_ms']:>9.3f}{np.mean(allowed):>14.0f}")
+        print(f"{'  (later walks)':<20}{'':>11}{'':>6}{rest['mean_ms']:>10.3f}"
+              f"{rest['median_ms']:>8.3f}{rest['p90_ms']:>8.3f}{rest['max_ms']:>8.3f}")
+
+    print(f"\nbatched host step (consume + mask for every row; llguidance executor, "
+          f"{os.cpu_count()} CPUs), JSON schema:")
+    ids = tok.encode(SCHEMA_EXAMPLE)
+    for rows in (1, 8, 32):
+        s = stats(batch_step(JsonSchema(SCHEMA), tok, ids, rows, repeats))
+        results["batch_step"][str(rows)] = s
+        dev = device_unpack(rows)
+        results["device_unpack_ms"][str(rows)] = dev * 1e3
+        print(f"  B={rows:<3} host step mean {s['mean_ms']:.3f} ms  median {s['median_ms']:.3f}"
+              f"  p90 {s['p90_ms']:.3f}  ({s['mean_ms'] / rows:.3f} ms/row);  device unpack "
+              f"[{rows},4040]->[{rows},{VOCAB}] {dev * 1e3:.3f} ms (CPU, jitted)")
+
+    if not args.quick:
+        lo = loop_overhead(tok, steps=32)
+        results["decode_loop"] = lo
+        print(f"\ndecode loop, tiny random model, V={VOCAB}, B=4 (CPU): free "
+              f"{lo['free_ms_per_step']:.2f} ms/step, constrained {lo['constrained_ms_per_step']:.2f}"
+              f" ms/step: io_callback + host step + unpack/mask = "
+              f"{lo['overhead_ms_per_step']:.2f} ms/step")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
