@@ -14,3 +14,7 @@ __all__ = [
     "GenerateOutput", "generate", "stream_generate", "DecodeState", "init_state",
     "Regex", "JsonSchema", "Grammar",
 ]
+
+from shardings import make_mesh, shard_params  # noqa: E402  (shardings imports deepinfer_fn.params)
+
+__all__ += ["make_mesh", "shard_params"]

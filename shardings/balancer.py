@@ -15,10 +15,14 @@ Planning (`plan_replicas`), all on the host in numpy:
 2. Packing: replicas sorted by load, heaviest first, each onto the least-loaded device that
    still has a free slot and does not hold that expert yet (LPT with capacity S and
    anti-affinity); a repair pass swaps away any duplicate the greedy order could not avoid.
-3. Refinement: pairwise swaps between the most-loaded device and any other device while they
-   lower the pair's maximum (anti-affinity kept), until no swap helps. With R = 0 the static
-   contiguous placement is refined too and the better of the two is kept, so the planner is
-   never worse than the layout it replaces.
+3. Refinement (local search from the packing): the most-loaded device either swaps a slot
+   with another device, or hands one of its redundant replicas to another expert (which
+   re-splits both experts' loads), whichever lowers the maximum over the devices it touches
+   most; repeated until neither helps. Anti-affinity is kept. A few restarts from seeded
+   perturbations of the loads are refined too and the best result is kept; with R = 0 the
+   static contiguous placement is also a start, so the planner is never worse than the
+   layout it replaces. On a 6-expert / 3-device / 3-redundant case the result is within 1.11x
+   of the brute-force optimum (mean 1.014 over 40 random loads; tests/test_balancer.py).
 
 Routing (`route_to_replicas`, pure JAX, jittable): the router's logical ids become physical
 slots. Default rule "token": assignment (t, j) of logical expert e goes to replica
@@ -37,6 +41,7 @@ import dataclasses
 import heapq
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -163,12 +168,14 @@ def static_placement(n_experts: int, n_devices: int, order: str = "contiguous") 
 
 # ------------------------------------------------------------------------------ planner
 def plan_replicas(load, n_devices: int, n_redundant: int, *, refine_iters: int | None = None,
-                  restarts: int = 4, seed: int = 0):
+                  restarts: int | None = None, seed: int = 0):
     """Placement of N logical experts on N + n_redundant slots over n_devices devices.
 
     load: [N] observed tokens per logical expert (e.g. summed over layers), or [L, N] for one
     placement per layer (returns a tuple of L placements). Minimises (heuristically) the
-    maximum per-device load; see the module docstring for the algorithm.
+    maximum per-device load; see the module docstring for the algorithm. `restarts` extra
+    searches start from seeded perturbations of the loads (default: 4 when N + R <= 128,
+    else 1; ~30 ms per restart for 320 slots over 64 devices); the best result is kept.
     """
     load = np.asarray(load, np.float64)
     if load.ndim == 2:
@@ -198,6 +205,8 @@ def plan_replicas(load, n_devices: int, n_redundant: int, *, refine_iters: int |
         static = np.arange(N).reshape(D, S)
         candidates.append(_refine(static, load, counts, affine, iters, cap))
     rng = np.random.default_rng(seed)
+    if restarts is None:
+        restarts = 4 if P <= 128 else 1
     for _ in range(restarts):          # seeded perturbations: loads jittered before packing
         noisy = load * rng.uniform(0.7, 1.3, N)
         c0 = _replica_counts(noisy, R, cap)
@@ -442,7 +451,8 @@ def synthetic_routing(kind: str, n_tokens: int, n_experts: int, k: int, seed: in
     if kind == "zipf":
         logp = -kw.get("exponent", 1.0) * np.log(rng.permutation(n_experts) + 1.0)
     elif kind == "hot":
-        logp[rng.choice(n_experts, kw.get("n_hot", 4), replace=False)] = np.log(kw.get("boost", 20.0))
+        hot = rng.choice(n_experts, kw.get("n_hot", 4), replace=False)
+        logp[hot] = np.log(kw.get("boost", 20.0))
     elif kind != "uniform":
         raise ValueError(f"kind={kind!r}; expected 'uniform', 'zipf' or 'hot'")
     gumbel = np.random.default_rng([seed, sample, 7]).gumbel(size=(n_tokens, n_experts))
@@ -493,3 +503,30 @@ def format_table(rows) -> str:
 if __name__ == "__main__":
     print("max/mean device load (16384 tokens, k=6); static = contiguous, no redundancy")
     print(format_table(balance_table()))
+
+
+def replicate_experts(params, placements):
+    """Params whose routed experts are laid out physically by `placements` (one `Placement`
+    per MoE layer, or one for all): w1/w3/w2 become [N+R, ...] (replicas are copies), and each
+    MoE layer carries `logical_to_phys` / `replica_count` so routing spreads a replicated
+    expert's tokens over its replicas (`route_to_replicas`). The model output is unchanged."""
+    from deepinfer_fn.params import Params
+
+    n_layers = len(params["layers"])
+    if isinstance(placements, Placement):
+        placements = [placements] * n_layers
+    if len(placements) != n_layers:
+        raise ValueError(f"{len(placements)} placements for {n_layers} layers")
+    layers = []
+    for layer, pl in zip(params["layers"], placements):
+        ffn = dict(layer["ffn"])
+        n_logical = ffn["w1"].shape[0]
+        if pl.logical_to_phys.shape[0] != n_logical:
+            raise ValueError(f"placement is for {pl.logical_to_phys.shape[0]} experts, the layer "
+                             f"has {n_logical}")
+        for name in ("w1", "w3", "w2"):
+            ffn[name] = expand_expert_weights(ffn[name], jnp.asarray(pl.phys_to_logical))
+        ffn["logical_to_phys"] = jnp.asarray(pl.logical_to_phys, jnp.int32)
+        ffn["replica_count"] = jnp.asarray(pl.replica_count, jnp.int32)
+        layers.append({**layer, "ffn": ffn})
+    return Params({**params.weights, "layers": tuple(layers)}, params.config)

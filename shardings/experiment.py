@@ -15,6 +15,10 @@ decode (64 GPUs, attention DP 64, MoE EP 64 on the same GPUs) is `--dp 1 --ep 64
 
 Model of one step (per device; everything is an estimate):
 
+* memory: weights per --dtype (see `bytes_per_element`), the MTP block included (its routed
+  experts split like the backbone's, --no-mtp to drop it) and the hash tables (int32); decode
+  state = `deepinfer_fn.state.state_bytes` for the device's sequences at capacity `context`
+  (backbone layers; an MTP layer's window ring is not in it); a rough activation workspace.
 * tokens: decode: batch * tokens_per_seq / (dp*ep) per device, every sequence at position
   context-1 with a full state; prefill: prefill_tokens per device per step, costs averaged over
   the positions 0..context-1 of a context-long prompt.
@@ -53,9 +57,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from deepinfer_fn.config import CSA, HCA, SWA, ModelConfig
+from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.params import BF16, F32, FP4, FP8, I64, is_spec, param_specs
-from deepinfer_fn.state import layer_state_shapes, state_bytes
+from deepinfer_fn.state import state_bytes
 
 GB = 1e9
 DTYPES = ("bf16", "fp8", "fp4")
@@ -286,7 +290,8 @@ def step_components(cfg: ModelConfig, layout: Layout, tokens: float, context: in
     weights({"hc_head": specs["hc_head"], "norm": specs["norm"]}, "mhc_norms")
     head = specs["head"]
     logits_tokens = tokens if mode == "decode" else 0.0    # prefill: last position only (~0)
-    comp["embed_head"]["flops"] += 2.0 * math.prod(head.shape) / _tp_factor(head, layout) * logits_tokens
+    comp["embed_head"]["flops"] += (2.0 * math.prod(head.shape) / _tp_factor(head, layout)
+                                    * logits_tokens)
     comp["embed_head"]["bytes"] += (math.prod(head.shape) * bytes_per_element(head, dtype)
                                     if logits_tokens else 0.0)
     comp["embed_head"]["bytes"] += tokens * D * bytes_per_element(specs["embed"], dtype)
@@ -399,7 +404,8 @@ def layout_report(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, batch
                   hbm: float = 4.2e12, link: float = 4.5e11, *, redundant: int = 0,
                   dtype: str = "bf16", prefill_tokens: int = 8192, tokens_per_seq: int = 1,
                   imbalance: float = 1.0, skew: str | None = None, dedup: bool = False,
-                  latency: float = 0.0, include_mtp: bool = True) -> dict[str, Any]:
+                  latency: float = 0.0, include_mtp: bool = True,
+                  capacity: float | None = None) -> dict[str, Any]:
     """Memory, collectives and estimated step time of one layout (a JSON-able dict).
 
     imbalance: max/mean routed-expert load over devices (scales the busiest device's expert
@@ -441,6 +447,10 @@ def layout_report(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, batch
     if mode == "decode":
         workspace += tokens * cfg.vocab_size * 4
     memory = params["per_device_bytes_sum"] + state + workspace
+    fits = None if capacity is None else bool(memory <= capacity)
+    if fits is False:
+        notes.append(f"needs {memory / GB:.1f} GB per device, over the {capacity / GB:.0f} GB "
+                     f"capacity")
 
     comp = step_components(cfg, layout, tokens, context, mode, dtype, redundant, imbalance,
                            prefill_tokens, seqs)
@@ -473,6 +483,7 @@ def layout_report(cfg: ModelConfig, dp: int = 1, ep: int = 1, tp: int = 1, batch
         "params": params,
         "memory": {"params_bytes": params["per_device_bytes_sum"], "state_bytes": float(state),
                    "workspace_bytes": workspace, "total_bytes": memory,
+                   "capacity_bytes": capacity, "fits": fits,
                    "state_bytes_per_seq": float(state_bytes(cfg, 1, context))},
         "collectives": comms,
         "components": comp,
@@ -528,9 +539,18 @@ def format_report(r: dict[str, Any]) -> str:
               f"serial local + comm = {T['step_serial_s'] * 1e3:.3f} ms",
               f"tokens/s: {th['tokens_per_s_device_overlap']:,.0f} per device, "
               f"{th['tokens_per_s_total_overlap']:,.0f} total (overlap); "
-              f"{th['tokens_per_s_device_serial']:,.0f} / {th['tokens_per_s_total_serial']:,.0f} (serial)"]
+              f"{th['tokens_per_s_device_serial']:,.0f} / "
+              f"{th['tokens_per_s_total_serial']:,.0f} (serial)"]
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
+
+
+def _dense_bytes(r):
+    return r["memory"]["params_bytes"] - r["params"]["per_device_bytes"]["routed_experts"]
+
+
+def _coll_bytes(r, kind: str):
+    return sum(c["bytes_per_step"] for c in r["collectives"] if kind in c["kind"])
 
 
 COMPARE_ROWS = (
@@ -540,12 +560,14 @@ COMPARE_ROWS = (
     ("seqs/device", lambda r: f"{r['workload']['seqs_per_device']:.1f}"),
     ("tokens/device/step", lambda r: f"{r['workload']['tokens_per_device']:.1f}"),
     ("expert imbalance", lambda r: f"{r['workload']['imbalance']:.3f}"),
-    ("dense params GB", lambda r: f"{(r['memory']['params_bytes'] - r['params']['per_device_bytes']['routed_experts']) / GB:.2f}"),
-    ("routed experts GB", lambda r: f"{r['params']['per_device_bytes']['routed_experts'] / GB:.2f}"),
+    ("other params GB", lambda r: f"{_dense_bytes(r) / GB:.2f}"),
+    ("routed experts GB",
+     lambda r: f"{r['params']['per_device_bytes']['routed_experts'] / GB:.2f}"),
     ("decode state GB", lambda r: f"{r['memory']['state_bytes'] / GB:.2f}"),
     ("total memory GB", lambda r: f"{r['memory']['total_bytes'] / GB:.2f}"),
-    ("a2a MB/step", lambda r: f"{sum(c['bytes_per_step'] for c in r['collectives'] if c['kind'].startswith('all_to_all')) / 1e6:.1f}"),
-    ("tp coll MB/step", lambda r: f"{sum(c['bytes_per_step'] for c in r['collectives'] if c['kind'].endswith('(tp)')) / 1e6:.1f}"),
+    ("fits capacity", lambda r: {None: "-", True: "yes", False: "NO"}[r["memory"]["fits"]]),
+    ("a2a MB/step", lambda r: f"{_coll_bytes(r, 'all_to_all') / 1e6:.1f}"),
+    ("tp coll MB/step", lambda r: f"{_coll_bytes(r, '(tp)') / 1e6:.1f}"),
     ("compute ms", lambda r: f"{r['time']['compute_s'] * 1e3:.2f}"),
     ("hbm ms", lambda r: f"{r['time']['hbm_s'] * 1e3:.2f}"),
     ("comm ms", lambda r: f"{r['time']['comm_s'] * 1e3:.2f}"),
@@ -596,6 +618,8 @@ def main(argv=None) -> int:
     ap.add_argument("--flops", type=float, default=8e14, help="FLOP/s per device")
     ap.add_argument("--hbm", type=float, default=4.2e12, help="HBM bytes/s per device")
     ap.add_argument("--link", type=float, default=4.5e11, help="collective bytes/s per device")
+    ap.add_argument("--capacity", type=float, default=141e9,
+                    help="device memory in bytes (default: H200, 141 GB; 0 = no check)")
     ap.add_argument("--latency", type=float, default=0.0, help="seconds per collective call")
     ap.add_argument("--redundant", type=int, default=0, help="redundant expert replicas")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES,
@@ -617,7 +641,7 @@ def main(argv=None) -> int:
                 link=a.link, redundant=a.redundant, dtype=a.dtype,
                 prefill_tokens=a.prefill_tokens, tokens_per_seq=a.tokens_per_seq,
                 imbalance=a.imbalance, skew=a.skew, dedup=a.dedup, latency=a.latency,
-                include_mtp=not a.no_mtp)
+                include_mtp=not a.no_mtp, capacity=a.capacity or None)
     if a.compare:
         names, reports = [], []
         for text in a.compare.split(";"):

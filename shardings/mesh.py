@@ -64,26 +64,38 @@ def logical_spec(axes, shape, mesh: Mesh, rules=RULES) -> P:
     return P(*out)
 
 
-def param_shardings(params_or_cfg, mesh: Mesh, rules=RULES):
-    """NamedShardings for every weight, derived from the abstract description (`param_specs`)."""
-    if isinstance(params_or_cfg, Params):
-        cfg, include_mtp = params_or_cfg.config, bool(params_or_cfg["mtp"])
-    else:
-        cfg, include_mtp = params_or_cfg, True
-    specs = param_specs(cfg, include_mtp=include_mtp)
-    return jax.tree.map(lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh, rules)),
-                        specs, is_leaf=is_spec)
+def _spec_at(specs, path):
+    """The Spec at a params path, or None for leaves the description does not have
+    (e.g. the replica tables `shardings.replicate_experts` adds)."""
+    node = specs
+    for key in path:
+        k = getattr(key, "key", getattr(key, "idx", None))
+        try:
+            node = node[k]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node if is_spec(node) else None
+
+
+def param_shardings(params: Params, mesh: Mesh, rules=RULES):
+    """NamedShardings for every weight of `params`, derived from the abstract description
+    (`param_specs`): each leaf takes its spec's logical axes (with the leaf's actual shape,
+    so physical expert counts after replication work too); unknown leaves are replicated."""
+    specs = param_specs(params.config, include_mtp=bool(params["mtp"]))
+
+    def one(path, leaf):
+        spec = _spec_at(specs, path)
+        if spec is None or len(spec.axes) != leaf.ndim:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, logical_spec(spec.axes, leaf.shape, mesh, rules))
+
+    return jax.tree_util.tree_map_with_path(one, params.weights)
 
 
 def shard_params(params: Params, mesh: Mesh, rules=RULES) -> Params:
     """Places params on `mesh` (routed experts over ep, the rest replicated / tp-split)."""
-    shardings = param_shardings(params, mesh, rules)
-    weights = dict(params.weights)
-    placed = {k: jax.device_put(v, shardings[k]) for k, v in weights.items() if k in shardings}
-    for k, v in weights.items():  # extra leaves (e.g. replica tables) are replicated
-        if k not in placed:
-            placed[k] = jax.device_put(v, NamedSharding(mesh, P()))
-    return Params(placed, params.config)
+    return Params(jax.device_put(params.weights, param_shardings(params, mesh, rules)),
+                  params.config)
 
 
 def mesh_of(params: Params) -> Mesh | None:

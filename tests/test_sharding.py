@@ -48,6 +48,29 @@ def test_greedy_generate_on_mesh_equals_single_device(kw, prompts):
     np.testing.assert_array_equal(sharded, single)
 
 
+def _redundant(params, ep):
+    """Replicate the hottest experts of a skewed trace: 8 logical -> 16 physical experts."""
+    from shardings.balancer import plan_replicas
+    load = np.array([40, 3, 25, 1, 9, 2, 60, 4], np.float64)
+    return shardings.replicate_experts(params, plan_replicas(load, n_devices=8, n_redundant=8))
+
+
+@pytest.mark.parametrize("kw", [dict(dp=2, ep=4), dict(ep=8)], ids=["dp=2,ep=4", "ep=8"])
+def test_redundant_experts_on_mesh_equal_single_device(kw, golden, prompts):
+    ref = golden("cfg_a")
+    replicated = _redundant(golden_params("cfg_a"), kw.get("ep", 1))
+    assert replicated["layers"][2]["ffn"]["w1"].shape[0] == 16
+    single = np.asarray(di.forward(replicated, ref["input_ids"]))
+    assert rel_err(single, ref["logits"]) <= 1e-5
+    params = shardings.shard_params(replicated, _mesh(kw))
+    assert params["layers"][2]["ffn"]["w1"].sharding.spec[0] == "ep"
+    assert rel_err(np.asarray(di.forward(params, ref["input_ids"])), ref["logits"]) <= 1e-5
+    tokens, lengths = prompts
+    want = np.asarray(di.generate(golden_params("cfg_a"), tokens, lengths=lengths, max_new_tokens=6).tokens)
+    got = np.asarray(di.generate(params, tokens, lengths=lengths, max_new_tokens=6).tokens)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_sharded_loading_places_each_tensor_and_matches(golden):
     mesh = _mesh(dict(dp=2, ep=4))
     params = di.load_params(GOLDEN / "cfg_a", mesh=mesh)

@@ -61,6 +61,10 @@ def moe_layer(p, x, token_ids, mlp_type: str, cfg: ModelConfig):
     B, T, D = x.shape
     flat_x = x.reshape(B * T, D)
     idx, weights = route(p, flat_x, token_ids.reshape(-1), mlp_type, cfg)
+    if "logical_to_phys" in p:  # redundant experts: spread each expert's tokens over replicas
+        from shardings.balancer import route_to_replicas
+        idx = route_to_replicas(idx, jnp.arange(B * T, dtype=jnp.int32), p["logical_to_phys"],
+                                p["replica_count"])
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
         # Expert parallelism: explicit dispatch / combine collectives (shardings/moe.py).
