@@ -6,12 +6,13 @@ from deepinfer_fn.api import forward, mtp_forward
 from deepinfer_fn.checkpoint import CheckpointError, load_params, save_params
 from deepinfer_fn.generate import GenerateOutput, generate, stream_generate
 from deepinfer_fn.state import DecodeState, init_state
+from deepinfer_fn.default_model import default_model_path
 from deepinfer_fn.structured import Grammar, JsonSchema, Regex
 
 __all__ = [
     "ConfigError", "ModelConfig", "Params", "count_params", "init_params", "param_specs",
     "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
-    "GenerateOutput", "generate", "stream_generate", "DecodeState", "init_state",
+    "GenerateOutput", "generate", "stream_generate", "default_model_path", "DecodeState", "init_state",
     "Regex", "JsonSchema", "Grammar",
 ]
 

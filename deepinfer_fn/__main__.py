@@ -82,7 +82,7 @@ def cmd_generate(args) -> int:
     bar = tqdm(total=args.max_new_tokens, unit="tok", desc="generate", leave=False,
                disable=args.quiet or None, file=sys.stderr)
     t0 = time.perf_counter()
-    first = None
+    first, first_count = None, 0
     n = 0
     if not args.chat:
         sys.stdout.write(args.prompt)
@@ -91,7 +91,8 @@ def cmd_generate(args) -> int:
                                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                   seed=args.seed, stop_tokens=stops):
         count = int(out.lengths[0])
-        first = first or time.perf_counter()
+        if first is None:
+            first, first_count = time.perf_counter(), count
         for token in np.asarray(out.tokens[0, :count]).tolist():
             if token in stops:
                 continue
@@ -101,10 +102,12 @@ def cmd_generate(args) -> int:
         bar.update(count)
     sys.stdout.write(decoder.flush() + "\n")
     bar.close()
-    dt = time.perf_counter() - t0
+    end = time.perf_counter()
     if not args.quiet:
-        print(f"[{n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s including compilation; "
-              f"prompt {len(ids)} tokens]", file=sys.stderr)
+        steady = (n - first_count) / (end - first) if n > first_count and end > first else float("nan")
+        print(f"[prompt {len(ids)} tokens; {n} new tokens in {end - t0:.2f}s; first block "
+              f"(prefill + compilation) {first - t0:.2f}s; decode {steady:.1f} tok/s after it]",
+              file=sys.stderr)
     return 0
 
 
