@@ -242,7 +242,8 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
     constrained = None
     if constraint is not None:  # compiled per request on the host; a bad grammar fails its row
         constrained = structured.ConstrainedBatch.build(
-            constraint, B, tokenizer or structured.default_tokenizer(), cfg.vocab_size)
+            constraint, B, structured.default_tokenizer() if tokenizer is None else tokenizer,
+            cfg.vocab_size)
     mesh, _ = mesh_context(params)
     if mesh is not None:  # pad the batch to the mesh's batch shards with 1-token dummy rows
         from shardings.mesh import batch_shards, state_shardings
