@@ -69,7 +69,7 @@ def filled_state(cfg, batch, context, dtype, seed=1):
                 slots = arr.shape[1]
                 pos = context - slots + jnp.arange(slots)
                 new[name] = jnp.broadcast_to(pos[jnp.argsort(pos % slots)], arr.shape).astype(jnp.int32)
-            elif name.endswith("ovl_gate") or name.endswith("part_gate"):
+            elif name.endswith("raw_gate"):
                 new[name] = jax.random.normal(k, arr.shape, arr.dtype)
             else:
                 new[name] = (0.5 * jax.random.normal(k, arr.shape, jnp.float32)).astype(arr.dtype)

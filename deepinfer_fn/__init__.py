@@ -16,6 +16,12 @@ __all__ = [
     "Regex", "JsonSchema", "Grammar",
 ]
 
-from shardings import make_mesh, shard_params  # noqa: E402  (shardings imports deepinfer_fn.params)
-
 __all__ += ["make_mesh", "shard_params"]
+
+
+def __getattr__(name):
+    # `shardings` imports deepinfer_fn's modules, so its API is attached lazily (no cycle).
+    if name in ("make_mesh", "shard_params"):
+        import shardings.mesh
+        return getattr(shardings.mesh, name)
+    raise AttributeError(f"module 'deepinfer_fn' has no attribute {name!r}")

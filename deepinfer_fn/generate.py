@@ -4,6 +4,12 @@
 row b has lengths[b] real tokens, the rest of the row is ignored) in fixed-size chunks, then
 runs a `lax.while_loop` that samples, feeds each row its own token and stops rows
 independently; the decode state is donated, and nothing returns to the host until the end.
+
+`generate(..., speculative="mtp", num_draft_tokens=k)` takes a separate path
+(`_speculative_generate`): the same prefill (plus the MTP drafter's), then a while-loop whose
+step drafts k tokens with the MTP block, verifies them with one k+1-token `forward_chunk`,
+accepts per row (deepinfer_fn/speculative/verify.py), rolls the state back to the accepted
+prefix and feeds the MTP the accepted positions.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from deepinfer_fn.model import transformer
 from deepinfer_fn.params import Params
 from deepinfer_fn.sampling import SamplingParams, sample, sampling_params
 from deepinfer_fn.state import DecodeState, init_state
+from deepinfer_fn import speculative as spec
 from deepinfer_fn import structured
 
 
@@ -33,7 +40,12 @@ class GenerateOutput:
     unconstrained call, else per row None (free row), "complete" (the output fully matches its
     constraint), "incomplete" (max_new_tokens ran out first: only a prefix), "pending" (a
     stream block with the row still running) or "error: <message>" (bad grammar/schema: the
-    row produced nothing)."""
+    row produced nothing).
+
+    Speculative decoding only (else None): accepted int32 [B, N], per verify step of each row
+    the number of accepted draft tokens g (the step emitted g + 1 tokens), -1 after the row's
+    last step; verified int32 [B, N] the number of drafts verified in that step (k, fewer
+    near max_new_tokens), -1 likewise. `acceptance()` summarises them."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -41,11 +53,28 @@ class GenerateOutput:
     logprobs: jax.Array | None = None
     constraint_status: tuple[str | None, ...] | None = dataclasses.field(
         default=None, metadata=dict(static=True))
+    accepted: jax.Array | None = None
+    verified: jax.Array | None = None
 
     def finish_reasons(self) -> list[str]:
         status = self.constraint_status or (None,) * len(self.stopped)
         return ["error" if st is not None and st.startswith("error") else "stop" if s else "length"
                 for s, st in zip(np.asarray(self.stopped), status)]
+
+    def acceptance(self) -> dict[str, float]:
+        """Speculative statistics over all rows and steps (spec/dspark.md §4.1): steps;
+        mean_accepted = mean g per step; tau = mean tokens committed per step including the
+        correction/bonus token (mean g + 1, before truncation at a stop token or at
+        max_new_tokens); acceptance_rate = sum g / sum drafts verified."""
+        if self.accepted is None:
+            raise ValueError("acceptance() needs an output of generate(..., speculative=...)")
+        acc, ver = np.asarray(self.accepted), np.asarray(self.verified)
+        live = acc >= 0
+        steps = int(live.sum())
+        g, v = acc[live].astype(np.float64), ver[live].astype(np.float64)
+        return dict(steps=steps, mean_accepted=float(g.mean()) if steps else float("nan"),
+                    tau=float(g.mean() + 1) if steps else float("nan"),
+                    acceptance_rate=float(g.sum() / v.sum()) if v.sum() else float("nan"))
 
 
 def _bucket(n: int, minimum: int = 256) -> int:
@@ -189,7 +218,8 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
              temperature=0.0, top_k=None, top_p=None, min_p=None, seed=0,
              stop_tokens: Sequence[int] = (), return_logprobs: bool = False,
              pad_id: int | None = None, prefill_chunk: int = 512, max_len: int | None = None,
-             window_slots: int | None = None, constraint=None, tokenizer=None) -> GenerateOutput:
+             window_slots: int | None = None, constraint=None, tokenizer=None,
+             speculative: str | None = None, num_draft_tokens: int = 3) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     tokens: int [B, T] right-padded prompts (or one [T] prompt); lengths: [B] real lengths
@@ -202,12 +232,29 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     the V4 vocabulary). A constrained row may emit the tokenizer's EOS only once its output is a
     complete match, and ends after it; `constraint_status` reports per row "complete",
     "incomplete" (max_new_tokens ran out first) or "error: ..." (that row alone fails, empty).
+
+    speculative="mtp": speculative decoding with the checkpoint's MTP block drafting
+    `num_draft_tokens` (k) tokens per step, all verified by one k+1-token forward. Lossless:
+    greedy rows give exactly the tokens of plain greedy decoding (up to the last-ulp
+    differences between a k+1-token chunk and single-token steps), sampled rows the same
+    distribution as the plain sampler (not the same draws: the keys are per verify step,
+    spec/dspark.md §5.2). The output carries per-step acceptance counts (`accepted`,
+    `verified`, `acceptance()`). Not combinable with `constraint` or a sharded mesh yet.
     """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
     cfg = params.config
     tokens, lengths = check_prompts(tokens, lengths, cfg, max_new_tokens, max_len)
     stop_tokens = check_stop_tokens(stop_tokens, cfg)
+    if speculative is not None:
+        if constraint is not None:
+            raise NotImplementedError("speculative decoding with a constraint is not supported yet")
+        return _speculative_generate(
+            params, tokens, lengths, method=speculative, k=num_draft_tokens,
+            max_new_tokens=int(max_new_tokens), temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
+            return_logprobs=return_logprobs, pad_id=pad_id, prefill_chunk=prefill_chunk,
+            max_len=max_len, window_slots=window_slots)
     return _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
                             block=int(max_new_tokens), temperature=temperature, top_k=top_k,
                             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
@@ -310,3 +357,139 @@ def _constrained_blocks(params, state, logits, done, sampling, pad, constrained,
                 return
     finally:
         structured.unregister(int(sid))
+
+
+# --- speculative decoding (MTP drafter) --------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=(1, 2))
+def _spec_prefill_chunk(params, state, mstate, chunk, next_ids, n_new, n_mtp):
+    """A prefill chunk of the backbone, then the MTP over the chunk's positions whose next
+    token is known (n_mtp); also returns each row's streams at its last valid token."""
+    logits, state, streams = transformer.forward_chunk(params, state, chunk, n_new)
+    _, mstate, _ = spec.mtp_chunk(params, mstate, streams, next_ids, n_mtp)
+    last = jnp.clip(n_new - 1, 0, chunk.shape[1] - 1)
+    return logits, state, mstate, jnp.take_along_axis(streams, last[:, None, None, None], 1)[:, 0]
+
+
+def _spec_prefill(params, state, mstate, tokens, lengths, chunk):
+    """`prefill` for the speculative path: also advances the MTP state to lengths - 1 (the
+    last prompt position waits for the first generated token) and returns the backbone
+    streams of each row's last prompt token [B,n,D]."""
+    B, T = tokens.shape
+    chunk = max(1, min(chunk, -(-T // 16) * 16))
+    padded = -(-T // chunk) * chunk
+    tokens = np.pad(tokens, ((0, 0), (0, padded + 1 - T)))
+    last_logits = last_streams = None
+    for off in range(0, padded, chunk):
+        n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
+        if not n_new.any():
+            break
+        n_mtp = np.clip(lengths - 1 - off, 0, chunk).astype(np.int32)
+        logits, state, mstate, streams = _spec_prefill_chunk(
+            params, state, mstate, jnp.asarray(tokens[:, off:off + chunk]),
+            jnp.asarray(tokens[:, off + 1:off + chunk + 1]), jnp.asarray(n_new), jnp.asarray(n_mtp))
+        ends_here = jnp.asarray((lengths > off) & (lengths <= off + chunk))
+        if last_logits is None:
+            last_logits, last_streams = logits, streams
+        else:
+            last_logits = jnp.where(ends_here[:, None], logits, last_logits)
+            last_streams = jnp.where(ends_here[:, None, None], streams, last_streams)
+    return last_logits, last_streams, state, mstate
+
+
+@functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"), donate_argnums=(1, 2))
+def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits, last_streams,
+                 done, sampling: SamplingParams, pad_id, *, n: int, k: int,
+                 stop_tokens: tuple[int, ...]):
+    """Up to n tokens per row: the first sampled from the prefill logits as plain decoding
+    does, then `lax.while_loop` steps of draft (MTP, k tokens) -> verify (one forward of the
+    anchor + k drafts, all logits) -> accept (per row) -> rollback -> MTP catch-up.
+
+    Per row the loop carries the MTP's pending input: the backbone streams and next tokens of
+    the positions committed in the last step (at most k + 1). Returns (tokens [B,n],
+    logprobs [B,n], counts [B], done [B], accepted [B,n], verified [B,n])."""
+    B = logits.shape[0]
+    K1 = k + 1
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+    first, first_lp = sample(logits, sampling, state.lengths)
+    active = ~done
+    out = jnp.full((B, n + K1), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
+    logp = jnp.zeros((B, n + K1), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
+    count = active.astype(jnp.int32)
+    done = done | jnp.isin(first, stops) | (n <= 1)
+    pend_streams = jnp.zeros((B, K1) + last_streams.shape[1:], last_streams.dtype)
+    pend_streams = pend_streams.at[:, 0].set(last_streams)
+    pend_ids = jnp.zeros((B, K1), jnp.int32).at[:, 0].set(first)
+    pend_n = jnp.where(done, 0, 1).astype(jnp.int32)
+    hist = jnp.full((B, n), -1, jnp.int32)
+    rows = jnp.arange(B)[:, None]
+    j = jnp.arange(K1)[None]
+
+    def cond(loop):
+        return (loop[0] < n) & ~jnp.all(loop[9])
+
+    def body(loop):
+        i, state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done, step, acc_h, ver_h = loop
+        active = ~done
+        ell = jnp.where(active, jnp.clip(n - count - 1, 0, k), 0)
+        anchor = jnp.take_along_axis(pend_ids, jnp.maximum(pend_n - 1, 0)[:, None], 1)[:, 0]
+        drafts, q, mstate = spec.draft(params, mstate, pend_streams, pend_ids,
+                                       jnp.where(active, pend_n, 0), k, sampling, step)
+        ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
+        logits, new_state, streams = transformer.forward_chunk(
+            params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True)
+        tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
+        n_emit = jnp.where(active, g + 1, 0)
+        is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
+        hit = jnp.any(is_stop, axis=1)
+        n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
+        idx = jnp.where(j < n_out[:, None], count[:, None] + j, n + K1)
+        out = out.at[rows, idx].set(tokens, mode="drop")
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
+        logp = logp.at[rows, idx].set(lp, mode="drop")
+        count = count + n_out
+        state = spec.rollback(new_state, state.lengths + n_emit)
+        acc_h = acc_h.at[:, i].set(jnp.where(active, g, -1))
+        ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
+        done = done | hit | (count >= n)
+        return (i + 1, state, mstate, streams, tokens, jnp.where(done, 0, n_emit), out, logp,
+                count, done, step + active.astype(jnp.int32), acc_h, ver_h)
+
+    init = (jnp.int32(0), state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done,
+            jnp.zeros((B,), jnp.int32), hist, hist)
+    loop = jax.lax.while_loop(cond, body, init)
+    out, logp, count, done, acc_h, ver_h = loop[6:10] + loop[11:]
+    return out[:, :n], logp[:, :n], count, done, acc_h, ver_h
+
+
+def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens, temperature,
+                          top_k, top_p, min_p, seed, stop_tokens, return_logprobs, pad_id,
+                          prefill_chunk, max_len, window_slots) -> GenerateOutput:
+    from deepinfer_fn.api import mesh_context
+    cfg = params.config
+    if method != "mtp":
+        raise ValueError(f"speculative={method!r}: only 'mtp' is implemented")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
+    if not params["mtp"]:
+        raise ValueError("speculative='mtp' needs params with an MTP block (these have none)")
+    if mesh_context(params)[0] is not None:
+        raise NotImplementedError("speculative decoding on a sharded mesh is not supported yet")
+    k = int(k)
+    B = tokens.shape[0]
+    sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
+    capacity = max_len or min(_bucket(int(lengths.max()) + max_new_tokens + k + 1),
+                              cfg.max_position_embeddings)
+    # Rejected drafts must not overwrite live ring entries: sliding_window + k slots.
+    slots = max(window_slots or 0, cfg.sliding_window + k)
+    state = init_state(cfg, B, capacity, window_slots=slots, dtype=params.dtype)
+    mstate = spec.init_mtp_state(cfg, B, capacity, window_slots=slots, dtype=params.dtype)
+    logits, last_streams, state, mstate = _spec_prefill(params, state, mstate, tokens, lengths,
+                                                        prefill_chunk)
+    pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
+    out, logp, count, done, acc, ver = _spec_decode(
+        params, state, mstate, logits, last_streams, jnp.zeros((B,), bool), sampling, pad,
+        n=max_new_tokens, k=k, stop_tokens=stop_tokens)
+    return GenerateOutput(out, count, done, logp if return_logprobs else None,
+                          accepted=acc, verified=ver)

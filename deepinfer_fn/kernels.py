@@ -58,6 +58,7 @@ def _env_overrides() -> dict[str, str]:
 
 def choose(op: str, platform: str | None = None) -> str:
     """The implementation `op` runs with on `platform` (default backend if None)."""
+    _ensure_custom_calls_loaded()
     impls = _REGISTRY.get(op)
     if not impls:
         raise KernelUnavailable(f"unknown kernel op {op!r}; known: {sorted(_REGISTRY)}")

@@ -6,18 +6,38 @@ Contiguous layout (one slot per batch row). Per layer, a dict of fixed-capacity 
   window_pos  [B, W_slots]      absolute position held by each slot (-1 = empty)
   CSA / HCA (ratio m, c = 2 for CSA, 1 for HCA):
   rows        [B, R, d]         compressed rows, row w at index w; R = max_len // m
-  part_kv     [B, m, c*d]       raw kappa of the unfinished window (slot = position % m)
-  part_gate   [B, m, c*d] f32   its gate + ape
+  raw_kv      [B, R_c, c*d]     compressor ring: raw kappa of the last tokens, slot = position % R_c
+  raw_gate    [B, R_c, c*d] f32 their gate + ape
   CSA only:
-  ovl_kv      [B, m, d]         A-halves of the last finished window (candidates of the next row)
-  ovl_gate    [B, m, d] f32     (-inf before the first window finishes)
-  index_rows, index_part_kv, index_part_gate, index_ovl_kv, index_ovl_gate: the same for
-  the lightning indexer's own compressor (dimension d_I).
+  index_rows, index_raw_kv, index_raw_gate: the same for the lightning indexer's own
+  compressor (dimension d_I).
 
-`lengths [B]` counts the tokens each row has processed (= next position). Row counts and
-partial fills are derived from it (rows = lengths // m, fill = lengths % m), so rolling a
-row back is only `lengths` moving back, provided the window ring has room for the rolled
-back tokens (W_slots >= window + draft - 1: spec/dspark.md).
+R_c = c*m + (W_slots - sliding_window): the unfinished window (HCA) or the last finished
+window plus the unfinished one (CSA, whose row w pools the A-halves of window w-1), plus the
+same slack as the window ring.
+
+`lengths [B]` counts the tokens each row has processed (= next position). Everything else is
+addressed by absolute position and derived from it (row count = lengths // m, visible rows,
+live ring slots), so rolling a row back over rejected draft tokens is only `lengths` moving
+back (spec/dspark.md §2.7). Why that is complete, for a verify chunk of at most S = k + 1
+tokens (k drafts) at positions L..L+k rolled back to L' = L + g + 1 (g accepted):
+
+* window ring: rejected tokens wrote slots of positions <= L + k <= L' + k - 1. The next
+  chunk reads ring entries of positions L' - W + 1 .. L' - 1 (only those < its start: the
+  kernel reads the ring before writing it), so the live ones are intact iff
+  W_slots >= W + k - 1; stale slots (position >= start) are masked by `window_pos`.
+* compressed rows (main and indexer): a row whose window closed inside the rejected tail
+  sits at an index the committed queries cannot see (visibility is positional); the next
+  chunk that processes the closing token rewrites the row before any query reads it.
+* compressor ring: the next chunk pools windows from positions >= (L'//m - 1)*m (CSA) or
+  >= (L'//m)*m (HCA), i.e. at most 2m - 1 (m - 1) positions before L'; rejected writes reach
+  L' + k - 1, so R_c >= 2m + k - 1 (m + k - 1) keeps them intact, which the R_c above gives
+  whenever W_slots >= W + k - 1.
+  (The former layout -- a partial-window buffer re-based at every window start plus a CSA
+  "overlap" copy of the last finished window -- was overwritten when a window closed inside
+  the rejected tail, and the accepted positions of the reopened window were lost.)
+
+So: speculative decoding with k drafts needs `window_slots >= sliding_window + k - 1`.
 """
 
 from __future__ import annotations
@@ -55,24 +75,26 @@ def layer_state_shapes(cfg: ModelConfig, layer_type: str, batch: int, max_len: i
         m = cfg.compress_ratio_of(layer_type)
         c = 2 if layer_type == CSA else 1
         cap = max(max_len // m, 1)
-        shapes.update(rows=S((batch, cap, d), dtype), part_kv=S((batch, m, c * d), dtype),
-                      part_gate=S((batch, m, c * d), f32))
+        ring = compressor_ring_slots(cfg, layer_type, window_slots)
+        shapes.update(rows=S((batch, cap, d), dtype), raw_kv=S((batch, ring, c * d), dtype),
+                      raw_gate=S((batch, ring, c * d), f32))
         if layer_type == CSA:
             dI = cfg.index_head_dim
-            shapes.update(ovl_kv=S((batch, m, d), dtype), ovl_gate=S((batch, m, d), f32),
-                          index_rows=S((batch, cap, dI), dtype),
-                          index_part_kv=S((batch, m, 2 * dI), dtype),
-                          index_part_gate=S((batch, m, 2 * dI), f32),
-                          index_ovl_kv=S((batch, m, dI), dtype),
-                          index_ovl_gate=S((batch, m, dI), f32))
+            shapes.update(index_rows=S((batch, cap, dI), dtype),
+                          index_raw_kv=S((batch, ring, 2 * dI), dtype),
+                          index_raw_gate=S((batch, ring, 2 * dI), f32))
     return shapes
+
+
+def compressor_ring_slots(cfg: ModelConfig, layer_type: str, window_slots: int) -> int:
+    """R_c: slots of a compressed layer's raw compressor ring (module docstring)."""
+    m = cfg.compress_ratio_of(layer_type)
+    return (2 if layer_type == CSA else 1) * m + (window_slots - cfg.sliding_window)
 
 
 def _initial(name: str, shape: jax.ShapeDtypeStruct) -> jax.Array:
     if name == "window_pos":
         return jnp.full(shape.shape, -1, shape.dtype)
-    if name.endswith("ovl_gate"):
-        return jnp.full(shape.shape, -jnp.inf, shape.dtype)
     return jnp.zeros(shape.shape, shape.dtype)
 
 
@@ -81,7 +103,8 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, *, window_slots: int 
     """An empty state for `batch` sequences of up to `max_len` tokens.
 
     window_slots defaults to the sliding window; speculative decoding with draft length k
-    needs sliding_window + k - 1 slots so rejected tokens never overwrite live entries.
+    needs sliding_window + k - 1 slots so rejected tokens never overwrite live entries (the
+    compressor rings get the same slack).
     """
     window_slots = window_slots or cfg.sliding_window
     if window_slots < cfg.sliding_window:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.params import Params, is_spec, param_specs
 
 BATCH_AXES = ("dp", "ep")
@@ -77,10 +78,16 @@ def _spec_at(specs, path):
     return node if is_spec(node) else None
 
 
-def param_shardings(params: Params, mesh: Mesh, rules=RULES):
-    """NamedShardings for every weight of `params`, derived from the abstract description
-    (`param_specs`): each leaf takes its spec's logical axes (with the leaf's actual shape,
-    so physical expert counts after replication work too); unknown leaves are replicated."""
+def param_shardings(params: Params | ModelConfig, mesh: Mesh, rules=RULES):
+    """NamedShardings for every weight, derived from the abstract description (`param_specs`).
+
+    Given params, each leaf takes its spec's logical axes with the leaf's actual shape (so
+    physical expert counts after `replicate_experts` work too; unknown leaves are replicated).
+    Given a ModelConfig, the shardings of the described model (MTP included)."""
+    if isinstance(params, ModelConfig):
+        specs = param_specs(params, include_mtp=True)
+        return jax.tree.map(lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh, rules)),
+                            specs, is_leaf=is_spec)
     specs = param_specs(params.config, include_mtp=bool(params["mtp"]))
 
     def one(path, leaf):

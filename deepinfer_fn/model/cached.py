@@ -27,60 +27,63 @@ def _gather_tokens(ext, idx):
 def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
                      st: dict, prefix: str = ""):
     """Advances one compressor over a chunk: emits the rows of every window the chunk
-    completes (at index = global window number, RoPE at m * w, §4.3, §4.8), re-buffers the
-    unfinished window and, for CSA, the A-halves of the last finished window (§3.3).
+    completes (at index = global window number, RoPE at m * w, §4.3, §4.8) and writes the
+    chunk's raw per-token inputs into the compressor ring.
 
-    x [B,S,D]; start/n_new [B]. `st` holds `{prefix}rows`, `{prefix}part_kv`,
-    `{prefix}part_gate` (+ `{prefix}ovl_kv`, `{prefix}ovl_gate` when overlapping).
-    Returns the updated entries.
+    The ring (`{prefix}raw_kv` [B, R_c, c*dim], `{prefix}raw_gate` f32) holds the raw kappa and
+    gate + ape of the last processed positions at slot `position % R_c`. A window is pooled
+    from ring ∪ chunk (ring entries only for positions < start, chunk entries for the rest),
+    CSA taking the A-halves of window w-1 from the same place (-inf gates before position 0).
+    Nothing is "rolled": every read is addressed by position, so moving `lengths` back over
+    rejected tokens is a complete rollback as long as R_c leaves room for them (state.py).
+
+    x [B,S,D]; start/n_new [B]. Returns the updated entries.
     """
     B, S, _ = x.shape
     m = ratio
     positions = start[:, None] + jnp.arange(S)
     kappa, gate = project(p, x, positions, m)
-    ext_kv = jnp.concatenate([st[prefix + "part_kv"], kappa.astype(st[prefix + "part_kv"].dtype)], 1)
-    ext_gate = jnp.concatenate([st[prefix + "part_gate"], gate], 1)
+    ring_kv, ring_gate = st[prefix + "raw_kv"], st[prefix + "raw_gate"]
+    slots = ring_kv.shape[1]
+    kappa = kappa.astype(ring_kv.dtype)
+    ext_kv = jnp.concatenate([ring_kv, kappa], 1)
+    ext_gate = jnp.concatenate([ring_gate, gate], 1)
     end = start + n_new
     w0 = start // m
-    window_start = w0 * m
 
-    def ext_index(pos):  # absolute position -> index into [partial window | chunk]
-        idx = jnp.where(pos < start.reshape((B,) + (1,) * (pos.ndim - 1)),
-                        pos - window_start.reshape((B,) + (1,) * (pos.ndim - 1)),
-                        m + pos - start.reshape((B,) + (1,) * (pos.ndim - 1)))
-        return jnp.clip(idx, 0, m + S - 1)
+    def ext_index(pos):  # absolute position -> index into [ring | chunk]
+        s = start.reshape((B,) + (1,) * (pos.ndim - 1))
+        return jnp.clip(jnp.where(pos < s, pos % slots, slots + pos - s), 0, slots + S - 1)
 
     n_win = (m + S - 2) // m + 1                       # windows a chunk of S tokens can touch
-    win = w0[:, None] + jnp.arange(n_win)[None]        # [B, n_win] global window numbers
-    pos = win[:, :, None] * m + jnp.arange(m)          # [B, n_win, m]
+    lead = 1 if overlap else 0                         # CSA also reads window w0 - 1
+    win = w0[:, None] + jnp.arange(-lead, n_win)[None]  # [B, lead + n_win] global window numbers
+    pos = win[:, :, None] * m + jnp.arange(m)          # [B, lead + n_win, m]
     win_kv = _gather_tokens(ext_kv, ext_index(pos))
     win_gate = _gather_tokens(ext_gate, ext_index(pos))
-    complete = (win + 1) * m <= end[:, None]           # [B, n_win]
 
     out = {}
-    dim = win_kv.shape[-1] // (2 if overlap else 1)
-    prev = (st[prefix + "ovl_kv"], st[prefix + "ovl_gate"]) if overlap else (None, None)
-    pooled = pool_windows(win_kv, win_gate, overlap, *prev)
+    if overlap:
+        dim = win_kv.shape[-1] // 2
+        prev_gate = jnp.where((win[:, 0] >= 0)[:, None, None], win_gate[:, 0, :, :dim], -jnp.inf)
+        pooled = pool_windows(win_kv[:, 1:], win_gate[:, 1:], True, win_kv[:, 0, :, :dim],
+                              prev_gate)
+        win = win[:, 1:]
+    else:
+        pooled = pool_windows(win_kv, win_gate, False)
+    complete = (win + 1) * m <= end[:, None]           # [B, n_win]
     new_rows = finish_rows(p, pooled, win, m, freqs, eps).astype(st[prefix + "rows"].dtype)
     cap = st[prefix + "rows"].shape[1]
     target = jnp.where(complete, win, cap)             # out of range -> dropped
     out[prefix + "rows"] = jax.vmap(lambda r, i, v: r.at[i].set(v, mode="drop"))(
         st[prefix + "rows"], target, new_rows)
 
-    if overlap:
-        last = end // m - 1 - w0                       # last window finished in this chunk
-        has = last >= 0
-        j = jnp.clip(last, 0, n_win - 1)
-        a_kv = jax.vmap(lambda w, i: w[i, :, :dim])(win_kv, j)
-        a_gate = jax.vmap(lambda w, i: w[i, :, :dim])(win_gate, j)
-        out[prefix + "ovl_kv"] = jnp.where(has[:, None, None], a_kv, st[prefix + "ovl_kv"])
-        out[prefix + "ovl_gate"] = jnp.where(has[:, None, None], a_gate, st[prefix + "ovl_gate"])
-
-    fill = end % m
-    part_pos = (end // m * m)[:, None] + jnp.arange(m)  # [B, m]
-    keep = (jnp.arange(m)[None] < fill[:, None])[..., None]
-    out[prefix + "part_kv"] = jnp.where(keep, _gather_tokens(ext_kv, ext_index(part_pos)), 0)
-    out[prefix + "part_gate"] = jnp.where(keep, _gather_tokens(ext_gate, ext_index(part_pos)), 0.0)
+    # Ring update: the chunk's valid tokens that a later chunk can still read.
+    write = (jnp.arange(S)[None] < n_new[:, None]) & (positions >= (end - slots)[:, None])
+    slot = jnp.where(write, positions % slots, slots)
+    put = jax.vmap(lambda r, i, v: r.at[i].set(v, mode="drop"))
+    out[prefix + "raw_kv"] = put(ring_kv, slot, kappa)
+    out[prefix + "raw_gate"] = put(ring_gate, slot, gate)
     return out
 
 

@@ -1,0 +1,134 @@
+"""The V4 MTP block as a drafter, with its own decode state (spec/model.md §2.11).
+
+The MTP block at position i reads the backbone's final residual streams at i and the token at
+i+1 and predicts the token at i+2. Its body is one V4 block with sliding-window attention and
+no compressor, so its decode state is one window ring (a one-layer `DecodeState`), advanced
+by `mtp_chunk` exactly as `transformer.forward_chunk` advances the backbone (same
+`attention_chunk`, same `sublayer` helper). `mtp_chunk` over a sequence equals
+`transformer.mtp_block` (the no-cache form) at every position.
+
+Drafting k tokens per step (`draft`). With the backbone state holding positions 0..L-1 and the
+anchor y_L (committed, not processed yet):
+
+  1. the MTP catches up on the committed positions it has not seen (those of the last verify
+     step: backbone streams at i plus the token at i+1, the last of them being y_L); its
+     logits at position L-1 give draft 1 (the token at L+1);
+  2. drafts 2..k chain the MTP on its own output: the MTP output streams at position j stand
+     in for the (not yet computed) backbone streams at j+1, and with the draft at j+2 they
+     predict the token at j+3. This is the recursive use of a single MTP module that vLLM's
+     and SGLang's DeepSeek MTP proposers use for k > 1 (the DeepSeek-V3 paper chains D
+     modules, each one feeding the next its output; here the one module is reused and moved
+     one position per draft, so each draft's window attention sees the entries of the
+     earlier drafts). The MTP was trained only for depth 1, so drafts 2..k are weaker.
+  3. The chained positions L..L+k-2 are speculative: the MTP state's `lengths` goes back to
+     L afterwards, and the next step's catch-up rewrites those ring slots with entries built
+     from real backbone streams (the ring needs `sliding_window + k` slots, the same rule as
+     the backbone: deepinfer_fn/state.py).
+
+Draft tokens are drawn from q = `sampling.probabilities(logits)` (the request's own
+temperature / top-k / top-p / min-p applied to the MTP logits; greedy rows take the argmax)
+with Gumbel-max noise from request_key(seed, step=s, role=DRAFT, slot=j): the request-local
+step counter, never the position alone (spec/dspark.md §2.5, §5.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn.config import SCORE_MOE, SWA
+from deepinfer_fn.model.cached import attention_chunk
+from deepinfer_fn.model.common import linear, rms_norm
+from deepinfer_fn.model.moe import moe_layer
+from deepinfer_fn.model.transformer import head_logits, sublayer
+from deepinfer_fn.sampling import Role, SamplingParams, filter_logits, gumbel_noise, request_key
+from deepinfer_fn.state import DecodeState, layer_state_shapes
+
+
+def init_mtp_state(cfg, batch: int, max_len: int, *, window_slots: int | None = None,
+                   dtype=jnp.float32) -> DecodeState:
+    """An empty MTP state: one SWA layer (window ring) per row; lengths = positions the MTP
+    has processed (position i needs the token at i+1, so it trails the backbone by one)."""
+    window_slots = window_slots or cfg.sliding_window
+    shapes = layer_state_shapes(cfg, SWA, batch, max_len, window_slots, dtype)
+    layer = {k: (jnp.full(s.shape, -1, s.dtype) if k == "window_pos" else jnp.zeros(s.shape, s.dtype))
+             for k, s in shapes.items()}
+    return DecodeState((layer,), jnp.zeros((batch,), jnp.int32), max_len, window_slots)
+
+
+def mtp_chunk(params, mstate: DecodeState, streams, next_ids, n_new, *, depth: int = 0,
+              all_logits: bool = False):
+    """The MTP block over a chunk against its state: positions i = mstate.lengths + j.
+
+    streams [B,S,n,D]: hidden streams at positions i (backbone final streams, or the MTP's own
+    output when chaining); next_ids [B,S]: the tokens at i+1; n_new [B] valid entries per row.
+    Returns (logits, new_state, out_streams [B,S,n,D]): logits float32 [B,S,V] (token i+2) if
+    all_logits, else those of each row's last valid entry [B,V].
+    """
+    cfg = params.config
+    mp = params["mtp"][depth]
+    lp = mp["block"]
+    eps = cfg.rms_norm_eps
+    B, S = next_ids.shape
+    next_ids = jnp.clip(next_ids, 0, cfg.vocab_size - 1)
+    start = mstate.lengths
+    e = rms_norm(params["embed"][next_ids], mp["enorm"], eps)
+    x = linear(e, mp["e_proj"])[:, :, None, :] + linear(rms_norm(streams, mp["hnorm"], eps),
+                                                        mp["h_proj"])
+    ls = mstate.layers[0]
+    x, new_ls = sublayer(lp["hc_attn"], lp["attn_norm"], x,
+                         lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, SWA, cfg), cfg)
+    x, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], x,
+                    lambda h: (moe_layer(lp["ffn"], h, next_ids, SCORE_MOE, cfg), None), cfg)
+    new_state = DecodeState((new_ls,), start + n_new, mstate.max_len, mstate.window_slots)
+    head = lambda s: head_logits(mp["hc_head"], mp["norm"], params["head"], s, cfg)
+    if all_logits:
+        return head(x), new_state, x
+    last = jnp.clip(n_new - 1, 0, S - 1)
+    return head(jnp.take_along_axis(x, last[:, None, None, None], axis=1))[:, 0], new_state, x
+
+
+def draw(logits, sampling: SamplingParams, step, slot):
+    """One draft token per row from q = probabilities(logits): greedy rows take the argmax,
+    sampled rows Gumbel-max over the processed logits with the DRAFT key of (step, slot).
+    Returns (tokens int32 [B], processed logits f32 [B,V] — softmax of them is q)."""
+    filtered = filter_logits(logits, sampling)
+    keys = request_key(sampling.seed, None, step=step, slot=slot, role=Role.DRAFT)
+    sampled = jnp.argmax(filtered + gumbel_noise(keys, filtered.shape[-1]), axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(sampling.greedy(), greedy, sampled).astype(jnp.int32), filtered
+
+
+def draft(params, mstate: DecodeState, streams, next_ids, n_new, k: int,
+          sampling: SamplingParams, step, *, depth: int = 0):
+    """k draft tokens per row (module docstring).
+
+    streams [B,S,n,D] / next_ids [B,S] / n_new [B]: the committed positions the MTP has not
+    processed yet (backbone streams at i, token at i+1; the last token is the anchor); rows
+    with n_new = 0 are idle (their drafts are garbage, their state is unchanged). step [B]:
+    the request-local step counter for the draft keys.
+    Returns (drafts int32 [B,k], q_logits f32 [B,k,V] (processed logits the drafts were drawn
+    from), new MTP state with lengths = old + n_new).
+    """
+    logits, mstate, out = mtp_chunk(params, mstate, streams, next_ids, n_new, depth=depth)
+    committed = mstate.lengths
+    last = jnp.clip(n_new - 1, 0, streams.shape[1] - 1)
+    h = jnp.take_along_axis(out, last[:, None, None, None], axis=1)     # [B,1,n,D]
+    x, q = draw(logits, sampling, step, 0)
+    if k == 1:
+        return x[:, None], q[:, None], mstate
+    active = (n_new > 0).astype(jnp.int32)
+
+    def chain(carry, slot):
+        mst, h, x = carry
+        logits, mst, h = mtp_chunk(params, mst, h, x[:, None], active, depth=depth)
+        x, q = draw(logits, sampling, step, slot)
+        return (mst, h, x), (x, q)
+
+    (mst, _, _), (xs, qs) = jax.lax.scan(chain, (mstate, h, x), jnp.arange(1, k))
+    drafts = jnp.concatenate([x[:, None], xs.T], axis=1)
+    q = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    # The chained entries (positions committed .. committed + k - 2) are speculative.
+    return drafts, q, dataclasses.replace(mst, lengths=committed)
