@@ -398,7 +398,7 @@ def _spec_prefill(params, state, mstate, tokens, lengths, chunk):
     return last_logits, last_streams, state, mstate
 
 
-@functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"))
 def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits, last_streams,
                  done, sampling: SamplingParams, pad_id, *, n: int, k: int,
                  stop_tokens: tuple[int, ...]):

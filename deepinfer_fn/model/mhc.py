@@ -27,7 +27,9 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
         p = p / (p.sum(axis=-1, keepdims=True) + eps)
         return p / (p.sum(axis=-2, keepdims=True) + eps)
 
-    return jax.lax.fori_loop(0, iters - 1, step, p)
+    # Unrolled: as a loop, each of the 19 iterations would be separate tiny kernels (and, on
+    # GPU, a host round trip for the loop condition) in every mHC module of every step.
+    return jax.lax.fori_loop(0, iters - 1, step, p, unroll=True)
 
 
 def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float):
