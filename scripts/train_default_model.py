@@ -20,8 +20,8 @@ What it does, deterministically (fixed seeds, sorted file order, hash-based spli
 
 The step count comes from --steps, or from --minutes: steps 2-21 (inside the warm-up, whose
 learning rates do not depend on the total) are timed and the cosine length is then chosen to
-fit the budget; if other processes slow the run down later, the cosine is shortened (checked
-every 50 steps, never lengthened). training_log.json's "reproduce" gives the arguments
+fit the budget; every 50 steps it is re-fitted to the recent speed (other processes share
+the CPU): shortened whenever the run would overshoot, lengthened only in its first half. training_log.json's "reproduce" gives the arguments
 (`--steps N` or `--plan ...`) that replay exactly the same run on any machine.
 """
 
@@ -606,6 +606,8 @@ def main(argv=None):
                     help="positions per sequence that get the MTP loss")
     ap.add_argument("--fp32", dest="bf16", action="store_false",
                     help="train in float32 (default: bf16 weights/activations, fp32 master)")
+    ap.add_argument("--check-bf16", action="store_true",
+                    help="also check the bf16 training forward against the model's (slow)")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--benchmark", action="store_true", help="time a few steps and exit")
@@ -661,7 +663,7 @@ def main(argv=None):
 
     b = build(cfg, args, params0)
     tl, fl, opt_state = b["train0"], b["fixed0"], b["opt"].init(b["train0"])
-    if args.bf16:   # the CPU training kernels in bf16 vs the model's own bf16 forward
+    if args.bf16 and args.check_bf16:   # the CPU training kernels in bf16 vs the model's own
         p16 = b["assemble"](tl, fl, jnp.bfloat16)
         ref16 = cross_entropy(di.forward(p16, probe[:, :-1]), probe[:, 1:])
         got16 = jax.jit(train_forward)(p16, probe)[0]
@@ -724,14 +726,18 @@ def main(argv=None):
             log.append(entry)
             print(json.dumps(entry), flush=True)
             if plan and not replay and s % 50 == 0 and s < total:
-                # other processes share the CPU: if the run is now projected to overshoot the
-                # budget, shorten the cosine (never lengthen it)
-                rate = (time.time() - t_first) / (s - 1)
-                fit = s + int((end_by - time.time()) / rate)
-                if fit < total * 0.97:
+                # other processes share the CPU, so the speed drifts: re-fit the cosine to the
+                # budget from the last 50 steps' speed (lengthen only in the first half, while
+                # the learning rate is still high; shorten whenever it would overshoot)
+                rate = (time.time() - t_last) / 50 if s > 50 else (time.time() - t_first) / (s - 1)
+                fit = s + int((end_by - time.time() - 2 * eval_batch * (total - s) /
+                               args.eval_every) / rate)
+                if fit < total * 0.97 or (fit > total * 1.05 and s < total / 2):
                     total = max(s + 10, fit)
                     plan.append(dict(step=s, sec_per_step=round(rate, 3), total=total))
-                    print(f"re-plan: {rate:.2f} s/step so far -> {total} steps", flush=True)
+                    print(f"re-plan: {rate:.2f} s/step lately -> {total} steps", flush=True)
+            if s % 50 == 0:
+                t_last = time.time()
     args.steps = total
     train_s = time.time() - t_train
 
@@ -758,7 +764,7 @@ def main(argv=None):
         print(f"--- {prompt!r}\n{text}", flush=True)
     result = dict(
         steps=s, schedule_plan=plan,
-        reproduce=("--plan '" + json.dumps([[0, plan[0]["total"]]] + [[p["step"], p["total"]]
+        reproduce=("--plan '" + json.dumps([[0, plan[0]["total"]]] + [[p["step"] + 1, p["total"]]
                                                                      for p in plan[1:]]) + "'")
         if plan else f"--steps {s}",
         train_seconds=round(train_s, 1), total_seconds=round(time.time() - t_start, 1),
