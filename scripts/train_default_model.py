@@ -9,7 +9,7 @@ What it does, deterministically (fixed seeds, sorted file order, hash-based spli
      (chosen by a hash of their relative path) are held out for validation;
   2. tokenizer: byte-level BPE (HF `tokenizers`, the V4 pre-tokenizer) trained on the
      training files, with the DeepSeek-V4 chat special tokens first (bos = 0, eos = 1);
-  3. model: a ~11M-parameter V4 (SWA/CSA/HCA attention, hash and score MoE, mHC, 1 MTP
+  3. model: a 12.5M-parameter V4 (SWA/CSA/HCA attention, hash and score MoE, mHC, 1 MTP
      block) trained with AdamW (warm-up + cosine, clipping) on next-token loss
      + 0.3 x MTP loss (token i+2) + the lightning indexer's KL loss against the main
      attention (DSA-style, indexer inputs detached); score-routed experts are balanced with
@@ -21,8 +21,9 @@ What it does, deterministically (fixed seeds, sorted file order, hash-based spli
 The step count comes from --steps, or from --minutes: steps 2-21 (inside the warm-up, whose
 learning rates do not depend on the total) are timed and the cosine length is then chosen to
 fit the budget; every 50 steps it is re-fitted to the recent speed (other processes share
-the CPU): shortened whenever the run would overshoot, lengthened only in its first half. training_log.json's "reproduce" gives the arguments
-(`--steps N` or `--plan ...`) that replay exactly the same run on any machine.
+the CPU): shortened whenever the run would overshoot, lengthened only in its first half.
+training_log.json's "reproduce" gives the arguments (`--steps N` or `--plan ...`) that replay
+the same data order and learning-rate schedule on any machine.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import deepinfer_fn as di  # noqa: E402
 from deepinfer_fn.config import CSA, HASH_MOE, HCA, SCORE_MOE, SWA  # noqa: E402
-from deepinfer_fn.model import mhc as mhc_mod  # noqa: E402
 from deepinfer_fn.model import moe as moe_mod  # noqa: E402
 from deepinfer_fn.model import transformer  # noqa: E402
 from deepinfer_fn import kernels  # noqa: E402
@@ -271,17 +271,6 @@ def _permute_bwd(res, g):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
-def sinkhorn_unrolled(logits, iters: int, eps: float):
-    """`mhc.sinkhorn` with the loop unrolled (same operations in the same order): XLA fuses
-    it, and its gradient needs no while-loop bookkeeping (3x faster on CPU)."""
-    p = jax.nn.softmax(logits, axis=-1) + eps
-    p = p / (p.sum(axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        p = p / (p.sum(axis=-1, keepdims=True) + eps)
-        p = p / (p.sum(axis=-2, keepdims=True) + eps)
-    return p
-
-
 kernels.register("grouped_matmul", "blocked_cpu_train")(blocked_grouped_matmul)
 
 
@@ -333,22 +322,18 @@ def attention_with_indexer_loss(p, x, positions, layer_type, cfg):
 
 
 _ORIGINAL_MOE = transformer.moe_layer
-_ORIGINAL_SINKHORN = mhc_mod.sinkhorn
 
 
 @contextlib.contextmanager
 def training_kernels():
-    """Inside: the CPU-fast MoE GEMM and Sinkhorn, and the expert-load recording MoE
+    """Inside: the CPU-fast MoE GEMM and the expert-load recording MoE
     (trace time only; `train_forward` checks the result equals the model's own forward)."""
     transformer.moe_layer = recording_moe_layer
-    mhc_mod.sinkhorn = sinkhorn_unrolled
     try:
         with kernels.use("grouped_matmul", "blocked_cpu_train"):
             yield
     finally:
         transformer.moe_layer = _ORIGINAL_MOE
-        mhc_mod.sinkhorn = _ORIGINAL_SINKHORN
-
 
 
 def recording_moe_layer(p, x, token_ids, mlp_type, cfg):
@@ -587,7 +572,7 @@ def greedy(params, tok, prompt: str, n_new: int, width: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="deepinfer_fn/assets/default_model")
-    ap.add_argument("--minutes", type=float, default=22.0,
+    ap.add_argument("--minutes", type=float, default=24.0,
                     help="wall-clock budget for the whole run (used when --steps is not given)")
     ap.add_argument("--steps", type=int, default=None, help="fixed number of optimizer steps")
     ap.add_argument("--plan", default=None,
