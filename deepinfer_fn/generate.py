@@ -270,6 +270,11 @@ def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
     The last output of each row is padded after it stops."""
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+    if kwargs.get("speculative") is not None:
+        raise NotImplementedError("stream_generate does not do speculative decoding yet; "
+                                  "use generate(..., speculative=...)")
+    kwargs.pop("speculative", None)
+    kwargs.pop("num_draft_tokens", None)
     max_new_tokens = kwargs.pop("max_new_tokens")
     lengths = kwargs.pop("lengths", None)
     tokens, lengths = check_prompts(tokens, lengths, params.config, max_new_tokens,
@@ -408,7 +413,8 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
 
     Per row the loop carries the MTP's pending input: the backbone streams and next tokens of
     the positions committed in the last step (at most k + 1). Returns (tokens [B,n],
-    logprobs [B,n], counts [B], done [B], accepted [B,n], verified [B,n])."""
+    logprobs [B,n], counts [B], stopped [B] (a stop token ended the row), accepted [B,n],
+    verified [B,n])."""
     B = logits.shape[0]
     K1 = k + 1
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
@@ -460,7 +466,9 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
             jnp.zeros((B,), jnp.int32), hist, hist)
     loop = jax.lax.while_loop(cond, body, init)
     out, logp, count, done, acc_h, ver_h = loop[6:10] + loop[11:]
-    return out[:, :n], logp[:, :n], count, done, acc_h, ver_h
+    last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
+    stopped = (count > 0) & jnp.isin(last, stops)     # rows end right after their stop token
+    return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h
 
 
 def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens, temperature,
@@ -488,8 +496,8 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
     logits, last_streams, state, mstate = _spec_prefill(params, state, mstate, tokens, lengths,
                                                         prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    out, logp, count, done, acc, ver = _spec_decode(
+    out, logp, count, stopped, acc, ver = _spec_decode(
         params, state, mstate, logits, last_streams, jnp.zeros((B,), bool), sampling, pad,
         n=max_new_tokens, k=k, stop_tokens=stop_tokens)
-    return GenerateOutput(out, count, done, logp if return_logprobs else None,
+    return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
                           accepted=acc, verified=ver)
