@@ -219,7 +219,8 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
              stop_tokens: Sequence[int] = (), return_logprobs: bool = False,
              pad_id: int | None = None, prefill_chunk: int = 512, max_len: int | None = None,
              window_slots: int | None = None, constraint=None, tokenizer=None,
-             speculative: str | None = None, num_draft_tokens: int = 3) -> GenerateOutput:
+             speculative: str | None = None, num_draft_tokens: int | None = None,
+             drafter=None, verify_len: str = "fixed", verify_cost=None) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     tokens: int [B, T] right-padded prompts (or one [T] prompt); lengths: [B] real lengths
@@ -240,6 +241,14 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     distribution as the plain sampler (not the same draws: the keys are per verify step,
     spec/dspark.md §5.2). The output carries per-step acceptance counts (`accepted`,
     `verified`, `acceptance()`). Not combinable with `constraint` or a sharded mesh yet.
+
+    speculative="dspark": the DSpark drafter `drafter` (a `deepinfer_fn.speculative.DSpark`,
+    e.g. `load_dspark(default_dspark_path(), params)` for the embedded default model) drafts
+    its block of γ tokens per step (num_draft_tokens, if given, must equal γ); each row
+    verifies ell of them: verify_len="fixed" -> ell = γ (deterministic with a fixed seed),
+    "dynamic" -> ell per row from the confidence head and `verify_cost` (a
+    `speculative.schedule.VerifyCost` profile; spec/dspark.md §3). Same losslessness and
+    statistics as "mtp".
     """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
@@ -251,6 +260,7 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
             raise NotImplementedError("speculative decoding with a constraint is not supported yet")
         return _speculative_generate(
             params, tokens, lengths, method=speculative, k=num_draft_tokens,
+            drafter=drafter, verify_len=verify_len, verify_cost=verify_cost,
             max_new_tokens=int(max_new_tokens), temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
             return_logprobs=return_logprobs, pad_id=pad_id, prefill_chunk=prefill_chunk,
@@ -273,8 +283,8 @@ def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
     if kwargs.get("speculative") is not None:
         raise NotImplementedError("stream_generate does not do speculative decoding yet; "
                                   "use generate(..., speculative=...)")
-    kwargs.pop("speculative", None)
-    kwargs.pop("num_draft_tokens", None)
+    for key in ("speculative", "num_draft_tokens", "drafter", "verify_len", "verify_cost"):
+        kwargs.pop(key, None)
     max_new_tokens = kwargs.pop("max_new_tokens")
     lengths = kwargs.pop("lengths", None)
     tokens, lengths = check_prompts(tokens, lengths, params.config, max_new_tokens,
@@ -473,11 +483,22 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
 
 def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens, temperature,
                           top_k, top_p, min_p, seed, stop_tokens, return_logprobs, pad_id,
-                          prefill_chunk, max_len, window_slots) -> GenerateOutput:
+                          prefill_chunk, max_len, window_slots, drafter=None,
+                          verify_len="fixed", verify_cost=None) -> GenerateOutput:
     from deepinfer_fn.api import mesh_context
     cfg = params.config
+    if method == "dspark":
+        return _dspark_generate(
+            params, tokens, lengths, drafter=drafter, k=k, verify_len=verify_len,
+            verify_cost=verify_cost, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
+            return_logprobs=return_logprobs, pad_id=pad_id, prefill_chunk=prefill_chunk,
+            max_len=max_len, window_slots=window_slots)
     if method != "mtp":
-        raise ValueError(f"speculative={method!r}: only 'mtp' is implemented")
+        raise ValueError(f"speculative={method!r}: expected 'mtp' or 'dspark'")
+    if drafter is not None:
+        raise ValueError("drafter= is only used with speculative='dspark'")
+    k = 3 if k is None else k
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
     if not params["mtp"]:
@@ -499,5 +520,177 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
     out, logp, count, stopped, acc, ver = _spec_decode(
         params, state, mstate, logits, last_streams, jnp.zeros((B,), bool), sampling, pad,
         n=max_new_tokens, k=k, stop_tokens=stop_tokens)
+    return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
+                          accepted=acc, verified=ver)
+
+
+# --- speculative decoding (DSpark drafter) -----------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=(2, 3))
+def _dspark_prefill_chunk(params, drafter, state, dstate, chunk, n_new):
+    """A prefill chunk of the target that also pushes the chunk's tapped features into the
+    draft context rings (spec/dspark.md §1.2: taps captured in every chunk)."""
+    dcfg = drafter.config
+    logits, state, _, feats = transformer.forward_chunk(
+        params, state, chunk, n_new, taps=dcfg.target_layer_ids, tap=dcfg.tap)
+    dstate = spec.dspark.push(drafter, params.config, dstate, feats, n_new)
+    return logits, state, dstate
+
+
+def _dspark_prefill(params, drafter, state, dstate, tokens, lengths, chunk):
+    """`prefill` for the DSpark path: target state and draft context both reach lengths."""
+    B, T = tokens.shape
+    chunk = max(1, min(chunk, -(-T // 16) * 16))
+    padded = -(-T // chunk) * chunk
+    tokens = np.pad(tokens, ((0, 0), (0, padded - T)))
+    last_logits = None
+    for off in range(0, padded, chunk):
+        n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
+        if not n_new.any():
+            break
+        logits, state, dstate = _dspark_prefill_chunk(
+            params, drafter, state, dstate, jnp.asarray(tokens[:, off:off + chunk]),
+            jnp.asarray(n_new))
+        ends_here = jnp.asarray((lengths > off) & (lengths <= off + chunk))
+        last_logits = logits if last_logits is None else jnp.where(ends_here[:, None], logits,
+                                                                   last_logits)
+    return last_logits, state, dstate
+
+
+def _verify_lengths(conf, active, cap, sched, dynamic: bool):
+    """ell [B]: cap (fixed mode), or the scheduler's padded verify length (dynamic mode,
+    deepinfer_fn/speculative/schedule.py; decided from confidences only: non-anticipating)."""
+    if not dynamic:
+        return cap
+    from deepinfer_fn.speculative import schedule
+    temps, step_seconds, overhead, eps = sched
+    ell = schedule.padded_verify_len(conf, temps, active, cap, step_seconds, overhead, eps)
+    return jnp.clip(ell.astype(jnp.int32), 0, cap)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "dynamic"),
+                   donate_argnums=(2, 3))
+def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeState, logits,
+                   done, sampling: SamplingParams, pad_id, sched, *, n: int,
+                   stop_tokens: tuple[int, ...], dynamic: bool):
+    """Up to n tokens per row: the first sampled from the prefill logits, then
+    `lax.while_loop` steps of draft (DSpark block of γ) -> verify ell_b + 1 tokens per row
+    (one all-logits forward with the taps) -> accept -> rollback of the target state ->
+    push the committed positions' features (anchor + accepted drafts) into the draft
+    context. The draft context therefore only ever holds committed positions and is at the
+    target's length whenever a block is drafted. Returns like `_spec_decode`."""
+    dcfg = drafter.config
+    g_max = dcfg.block_size
+    B = logits.shape[0]
+    K1 = g_max + 1
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+    first, first_lp = sample(logits, sampling, state.lengths)
+    active = ~done
+    out = jnp.full((B, n + K1), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
+    logp = jnp.zeros((B, n + K1), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
+    count = active.astype(jnp.int32)
+    done = done | jnp.isin(first, stops) | (n <= 1)
+    hist = jnp.full((B, n), -1, jnp.int32)
+    rows = jnp.arange(B)[:, None]
+    j = jnp.arange(K1)[None]
+
+    def cond(loop):
+        return (loop[0] < n) & ~jnp.all(loop[7])
+
+    def body(loop):
+        i, state, dstate, anchor, out, logp, count, done, step, acc_h, ver_h = loop
+        active = ~done
+        cap = jnp.where(active, jnp.clip(n - count - 1, 0, g_max), 0)
+        drafts, q, conf = spec.dspark.draft(drafter, params, dstate, anchor, sampling, step)
+        ell = jnp.where(active, _verify_lengths(conf, active, cap, sched, dynamic), 0)
+        ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
+        logits, new_state, _, feats = transformer.forward_chunk(
+            params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True,
+            taps=dcfg.target_layer_ids, tap=dcfg.tap)
+        tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
+        n_emit = jnp.where(active, g + 1, 0)
+        is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
+        hit = jnp.any(is_stop, axis=1)
+        n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
+        idx = jnp.where(j < n_out[:, None], count[:, None] + j, n + K1)
+        out = out.at[rows, idx].set(tokens, mode="drop")
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
+        logp = logp.at[rows, idx].set(lp, mode="drop")
+        count = count + n_out
+        state = spec.rollback(new_state, state.lengths + n_emit)
+        dstate = spec.dspark.push(drafter, params.config, dstate, feats, n_emit)
+        anchor = jnp.take_along_axis(tokens, g[:, None], axis=1)[:, 0]
+        acc_h = acc_h.at[:, i].set(jnp.where(active, g, -1))
+        ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
+        done = done | hit | (count >= n)
+        return (i + 1, state, dstate, anchor, out, logp, count, done,
+                step + active.astype(jnp.int32), acc_h, ver_h)
+
+    init = (jnp.int32(0), state, dstate, first, out, logp, count, done,
+            jnp.zeros((B,), jnp.int32), hist, hist)
+    loop = jax.lax.while_loop(cond, body, init)
+    out, logp, count, done = loop[4:8]
+    acc_h, ver_h = loop[9:]
+    last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
+    stopped = (count > 0) & jnp.isin(last, stops)
+    return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h
+
+
+def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
+    """(temps [γ], step_seconds [γ+1], overhead, eps) for the dynamic scheduler, else None."""
+    if verify_len == "fixed":
+        if verify_cost is not None:
+            raise ValueError("verify_cost is only used with verify_len='dynamic'")
+        return None
+    if verify_cost is None:
+        raise ValueError("verify_len='dynamic' needs verify_cost= (a speculative.schedule."
+                         "VerifyCost profile of the verify forward)")
+    g = drafter.config.block_size
+    step_seconds = np.asarray(verify_cost.step_seconds_for(batch), np.float32)
+    if step_seconds.shape != (g + 1,):
+        raise ValueError(f"verify_cost.step_seconds_for({batch}) has shape {step_seconds.shape}; "
+                         f"expected ({g + 1},) for a drafter with block size {g}")
+    overhead = float(getattr(verify_cost, "overhead_seconds", 0.0))
+    eps = float(getattr(verify_cost, "eps", 1e-6))
+    return (drafter.sts_temperatures.astype(jnp.float32), jnp.asarray(step_seconds),
+            jnp.float32(overhead), jnp.float32(eps))
+
+
+def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
+                     max_new_tokens, temperature, top_k, top_p, min_p, seed, stop_tokens,
+                     return_logprobs, pad_id, prefill_chunk, max_len,
+                     window_slots) -> GenerateOutput:
+    from deepinfer_fn.api import mesh_context
+    from deepinfer_fn.speculative.dspark import DSpark, check_target, init_draft_state
+    cfg = params.config
+    if not isinstance(drafter, DSpark):
+        raise ValueError("speculative='dspark' needs drafter=<a loaded DSpark drafter>, e.g. "
+                         "deepinfer_fn.speculative.load_dspark(path, params) (got "
+                         f"{type(drafter).__name__})")
+    check_target(drafter.config, cfg)
+    gamma = drafter.config.block_size
+    if k is not None and k != gamma:
+        raise ValueError(f"num_draft_tokens={k!r} but this DSpark drafter has block size "
+                         f"{gamma}: the draft width is a checkpoint constant (spec/dspark.md "
+                         f"§1.1); leave num_draft_tokens unset (verify_len picks how many to verify)")
+    if verify_len not in ("fixed", "dynamic"):
+        raise ValueError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
+    if mesh_context(params)[0] is not None:
+        raise NotImplementedError("speculative decoding on a sharded mesh is not supported yet")
+    B = tokens.shape[0]
+    sched = _dspark_schedule_args(drafter, verify_len, verify_cost, B)
+    sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
+    capacity = max_len or min(_bucket(int(lengths.max()) + max_new_tokens + gamma + 1),
+                              cfg.max_position_embeddings)
+    slots = max(window_slots or 0, cfg.sliding_window + gamma)   # rollback slack (state.py)
+    state = init_state(cfg, B, capacity, window_slots=slots, dtype=params.dtype)
+    dstate = init_draft_state(cfg, drafter.config, B, capacity, dtype=params.dtype)
+    logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
+                                            prefill_chunk)
+    pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
+    out, logp, count, stopped, acc, ver = _dspark_decode(
+        params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,
+        n=max_new_tokens, stop_tokens=stop_tokens, dynamic=sched is not None)
     return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
                           accepted=acc, verified=ver)

@@ -247,14 +247,18 @@ def leaf_dtype(spec: Spec, dtype) -> Any:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
                 include_mtp: bool = True) -> Params:
     """Random weights with realistic scales: non-zero sinks/biases/ape, spread hash tables."""
-    specs = param_specs(cfg, include_mtp)
+    return Params(init_tree(param_specs(cfg, include_mtp), key, dtype), cfg)
+
+
+def init_tree(specs, key: jax.Array, dtype=jnp.float32):
+    """Values for a tree of `Spec`s: leaf i from numpy's generator seeded by (key, i)."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     seed = [int(x) for x in np.asarray(jax.random.key_data(key)).reshape(-1)]
     values = []
     for i, spec in enumerate(leaves):
         rng = np.random.default_rng(seed + [i])
         values.append(jnp.asarray(spec.init(rng, spec.shape), dtype=leaf_dtype(spec, dtype)))
-    return Params(jax.tree.unflatten(treedef, values), cfg)
+    return jax.tree.unflatten(treedef, values)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

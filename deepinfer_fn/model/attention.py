@@ -22,8 +22,15 @@ def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
     c_q = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
     q = linear(c_q, p["wq_b"]).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(head_rms(q, eps), cos[:, :, None], sin[:, :, None])
-    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], eps)
-    return q, c_q, apply_rope(kv, cos, sin)
+    return q, c_q, kv_projection(p, x, cos, sin, cfg)
+
+
+def kv_projection(p, x, cos, sin, cfg: ModelConfig):
+    """The shared key=value latent: kv_norm(x @ wkv), rotated: x [B,T,D] -> [B,T,d] (§2.5).
+    Also the DSpark context injection (spec/dspark.md §1.3: each draft stage projects the
+    target features through its own wkv/kv_norm)."""
+    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps)
+    return apply_rope(kv, cos, sin)
 
 
 def output_projection(p, o, cos, sin, cfg: ModelConfig):

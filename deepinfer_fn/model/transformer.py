@@ -64,13 +64,18 @@ def head_logits(hc_head, norm, head, streams, cfg: ModelConfig):
                       precision=jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None)
 
 
-def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False):
+def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False,
+                  taps: tuple[int, ...] | None = None, tap: str = "post"):
     """Processes a chunk against a decode state (prefill chunk, decode step, or k-token verify).
 
     token_ids [B,S] int32 (entries past n_new[b] are padding); n_new [B] int32 in [0, S].
     Returns (logits, new_state, streams): logits float32 [B,S,V] if all_logits, else the
     logits of each row's last valid token [B,V] (rows with n_new = 0: garbage, state
     unchanged); streams [B,S,n,D] the final residual streams (MTP input).
+
+    taps (layer ids, DSpark target features, spec/dspark.md §1.2): also return a 4th output,
+    features [B,S,len(taps),D], each the residual streams averaged over the n mHC copies,
+    read at the input ("pre") or the output ("post") of the tapped layer.
     """
     from deepinfer_fn.model.cached import attention_chunk
     from deepinfer_fn.state import DecodeState
@@ -82,20 +87,33 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False):
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)
     streams = embed(params, token_ids)
     new_layers = []
-    for lp, ls, lt, mt in zip(params["layers"], state.layers, cfg.layer_types, cfg.mlp_layer_types):
+    tapped = {}
+    if taps is not None:
+        if tap not in ("pre", "post"):
+            raise ValueError(f"tap must be 'pre' or 'post', got {tap!r}")
+        bad = [i for i in taps if not 0 <= i < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"tap layer ids {bad} outside [0, {cfg.num_hidden_layers})")
+    for i, (lp, ls, lt, mt) in enumerate(zip(params["layers"], state.layers, cfg.layer_types,
+                                             cfg.mlp_layer_types)):
+        if taps is not None and tap == "pre" and i in taps:
+            tapped[i] = streams.mean(axis=2)
         streams, new_ls = sublayer(
             lp["hc_attn"], lp["attn_norm"], streams,
             lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg), cfg)
         streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
                               lambda h: (moe_layer(lp["ffn"], h, token_ids, mt, cfg), None), cfg)
+        if taps is not None and tap == "post" and i in taps:
+            tapped[i] = streams.mean(axis=2)
         new_layers.append(new_ls)
     new_state = DecodeState(tuple(new_layers), start + n_new, state.max_len, state.window_slots)
     head = lambda s: head_logits(params["hc_head"], params["norm"], params["head"], s, cfg)
+    extra = () if taps is None else (jnp.stack([tapped[i] for i in taps], axis=2),)
     if all_logits:
-        return head(streams), new_state, streams
+        return (head(streams), new_state, streams) + extra
     last = jnp.clip(n_new - 1, 0, S - 1)
     last_streams = jnp.take_along_axis(streams, last[:, None, None, None], axis=1)
-    return head(last_streams)[:, 0], new_state, streams
+    return (head(last_streams)[:, 0], new_state, streams) + extra
 
 
 def logits_and_streams(params, token_ids):
