@@ -1,0 +1,335 @@
+"""Verify-length scheduling for speculative decoding (spec/dspark.md §3, §1.5, §2.5).
+
+Each step the drafter proposes g tokens per row with confidence logits z [B,g]; the scheduler
+decides how many of them (ell_r, 0 <= ell_r <= g) the target verifies, trading expected
+accepted tokens against the verify forward's cost.
+
+Survivals (§1.5): c_{r,j} = sigmoid(z_{r,j} / t_j) (t: STS temperatures), a_{r,j} =
+prod_{i<=j} c_{r,i} = P(first j drafts of row r all accepted). Expected committed tokens of
+the step: tau = sum_r (1 + sum_{j<=ell_r} a_{r,j}).
+
+Losslessness (§2.5): admitting slot j of a row may only use information available before x_j
+was drawn. a_{r,j} qualifies (c_{r,j} reads x_{j-1}); a_{r,j+1} does not. Every scheduler here
+is an *early-stopping* scan: it walks candidates in an order in which (r, j) precedes (r, j+1),
+decides each admission from candidates already seen, and stops at the first non-improvement,
+so the admission of (r, j) never depends on a_{r,j+1} or later. (A global argmax over lengths
+does look ahead and is biased: tests/test_schedule.py keeps that negative control.) A capacity
+chosen from *stale* survivals (earlier steps) may use a full search (§3.4).
+
+Contents:
+
+* `padded_verify_len` (jittable): the scheduler for our PADDED verify layout [B, S]
+  (`transformer.forward_chunk`): a shorter row saves compute only when the whole batch's
+  column count S shrinks, so it chooses S (1..g+1) by the early-stopping scan over columns
+  with the measured cost of S columns, and ell_r = min(S - 1, cap_r).
+* `VerifyCost`: the measured verify step time vs (batch rows, columns) (or vs tokens),
+  isotonic in the columns, interpolated between measured batches, saved/loaded as JSON;
+  `measure_verify_cost` times the target's verify forward on the current device.
+* The PACKED-layout (ragged, production) schedulers of §3.3/§3.4: `schedule_sync` (exact
+  early-stopping scheduler, host numpy), `choose_capacity` (host, stale survivals, full search
+  over capacity buckets) and `allocate_topk` (jittable, top-(C - R) candidates of this step's
+  fresh survivals with the tie rule). Our generate uses the padded layout; these are the
+  policy a packed verify layout would use.
+* STS calibration (§1.5): `sts_calibrate` and `calibration_report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+# --- survivals ------------------------------------------------------------------------------
+
+
+def survivals(conf_logits, temps):
+    """a [B,g] f32: a_{r,j} = prod_{i<=j} sigmoid(z_{r,i} / t_i) (§1.5). conf_logits [B,g],
+    temps [g] (> 0)."""
+    z = jnp.asarray(conf_logits, jnp.float32)
+    t = jnp.asarray(temps, jnp.float32)
+    return jnp.cumprod(jax.nn.sigmoid(z / t), axis=-1)
+
+
+def survivals_np(conf_logits, temps) -> np.ndarray:
+    """`survivals` in float64 numpy (host-side schedulers and calibration)."""
+    z = np.asarray(conf_logits, np.float64)
+    t = np.asarray(temps, np.float64)
+    return np.cumprod(_sigmoid(z / t), axis=-1)
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+# --- padded layout ---------------------------------------------------------------------------
+
+
+def padded_verify_len(conf_logits, temps, active, cap, step_seconds, overhead_seconds,
+                      eps=0.0):
+    """Per-row verify lengths for a padded [B, S] verify forward (spec/dspark.md §3.3 adapted).
+
+    conf_logits f32 [B,g] (confidence logits of the g drafted slots); temps f32 [g] (STS
+    temperatures, ones when uncalibrated); active bool [B]; cap int32 [B] (most drafts row r
+    may verify: tokens still allowed, <= g); step_seconds f32 [g+1] (verify forward time with
+    S = 1..g+1 columns at this batch, `VerifyCost.step_seconds_for`); overhead_seconds the
+    rest of the step (draft, sampling, bookkeeping); eps >= 0 the minimum relative gain.
+
+    With a_{r,j} masked to active rows and j <= cap_r, and R the number of active rows,
+    theta(S) = (R + sum_r sum_{j<S} a_{r,j}) / (overhead + step_seconds[S-1]) is the expected
+    throughput with S columns. The scan starts at S = 1 and moves to S + 1 while
+    theta(S+1) > theta(S) * (1 + eps); the admission of column S + 1 (slot S) reads only
+    a_{., <=S}, never a_{., S+1}, which keeps it lossless (§2.5). Returns ell int32 [B]:
+    min(S - 1, cap_r) for active rows, 0 for inactive ones.
+    """
+    z = jnp.asarray(conf_logits, jnp.float32)
+    B, g = z.shape
+    step_seconds = jnp.asarray(step_seconds, jnp.float32)
+    if step_seconds.shape != (g + 1,):
+        raise ValueError(f"step_seconds has shape {step_seconds.shape}, expected ({g + 1},) "
+                         f"for g={g} drafts (columns 1..g+1)")
+    active = jnp.asarray(active, bool)
+    cap = jnp.clip(jnp.asarray(cap, jnp.int32), 0, g)
+    a = survivals(z, temps)
+    slot = jnp.arange(1, g + 1)
+    a = jnp.where(active[:, None] & (slot[None] <= cap[:, None]), a, 0.0)
+    R = jnp.sum(active).astype(jnp.float32)
+    tau = R + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(a, axis=0))])  # [g+1]: S=1..
+    theta = tau / (jnp.float32(overhead_seconds) + step_seconds)
+    improves = theta[1:] > theta[:-1] * (1.0 + jnp.float32(eps))                    # [g]
+    S = 1 + jnp.sum(jnp.cumprod(improves.astype(jnp.int32)))                        # early stop
+    return jnp.where(active, jnp.minimum(S - 1, cap), 0).astype(jnp.int32)
+
+
+# --- isotonic fit -----------------------------------------------------------------------------
+
+
+def isotonic_increasing(y, w=None) -> np.ndarray:
+    """The non-decreasing sequence closest to y in weighted least squares (pool adjacent
+    violators). y [n], w [n] > 0 (default ones)."""
+    y = np.asarray(y, np.float64)
+    w = np.ones_like(y) if w is None else np.asarray(w, np.float64)
+    vals, wts, lens = [], [], []
+    for yi, wi in zip(y, w):
+        vals.append(yi), wts.append(wi), lens.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v1, w1, n1 = vals.pop(), wts.pop(), lens.pop()
+            v0, w0, n0 = vals.pop(), wts.pop(), lens.pop()
+            vals.append((v0 * w0 + v1 * w1) / (w0 + w1)), wts.append(w0 + w1), lens.append(n0 + n1)
+    return np.repeat(vals, lens)
+
+
+# --- verify cost profile ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCost:
+    """Measured verify forward time (spec/dspark.md §3.1).
+
+    Two kinds:
+    * "grid": `seconds[i, s]` = time of a verify forward over `batches[i]` rows and s + 1
+      columns (s = 0..gamma), isotonic (non-decreasing) in the columns for each batch and
+      made non-decreasing across batches (cumulative max);
+    * "tokens": `seconds[0, i]` = time of a forward of `tokens[i]` tokens in the batch
+      (isotonic in tokens); a padded [B, S] forward costs the value at B * S.
+
+    `step_seconds_for(batch)` -> [gamma + 1] seconds for S = 1..gamma+1 columns: for a grid,
+    linear interpolation between the neighbouring measured batches (outside the measured range:
+    the token curve built from the grid's own points, linearly extrapolated). `overhead_seconds`
+    is the rest of a speculative step (draft, sampling) when known, else 0. `raw` keeps the
+    medians before fitting; `meta` free-form (device, context, repeats ...).
+    """
+
+    kind: str
+    gamma: int
+    points: tuple[int, ...]          # grid: batches; tokens: token counts (ascending)
+    seconds: np.ndarray              # grid: [len(points), gamma+1]; tokens: [len(points)]
+    raw: np.ndarray | None = None
+    overhead_seconds: float = 0.0
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in ("grid", "tokens"):
+            raise ValueError(f"VerifyCost kind must be 'grid' or 'tokens', got {self.kind!r}")
+        pts = np.asarray(self.points)
+        if pts.ndim != 1 or len(pts) == 0 or np.any(np.diff(pts) <= 0) or pts[0] < 1:
+            raise ValueError(f"VerifyCost points must be ascending positive ints, got {self.points}")
+        want = (len(pts), self.gamma + 1) if self.kind == "grid" else (len(pts),)
+        if np.shape(self.seconds) != want:
+            raise ValueError(f"VerifyCost seconds has shape {np.shape(self.seconds)}, want {want}")
+        if not np.all(np.isfinite(self.seconds)) or np.any(np.asarray(self.seconds) <= 0):
+            raise ValueError("VerifyCost seconds must be finite and positive")
+
+    # construction ------------------------------------------------------------------------
+    @classmethod
+    def from_grid(cls, batches: Sequence[int], seconds, *, overhead_seconds=0.0, meta=None):
+        """batches [nb] ascending; seconds [nb, gamma+1] measured (medians) for columns
+        1..gamma+1. Fits monotone: isotonic along columns, then cumulative max over batches."""
+        raw = np.asarray(seconds, np.float64)
+        if raw.ndim != 2 or raw.shape[0] != len(batches) or raw.shape[1] < 2:
+            raise ValueError(f"seconds must be [len(batches), gamma+1], got {raw.shape}")
+        order = np.argsort(batches)
+        batches = tuple(int(b) for b in np.asarray(batches)[order])
+        raw = raw[order]
+        fit = np.stack([isotonic_increasing(row) for row in raw])
+        fit = np.maximum.accumulate(fit, axis=0)
+        return cls("grid", raw.shape[1] - 1, batches, fit, raw, float(overhead_seconds),
+                   dict(meta or {}))
+
+    @classmethod
+    def from_tokens(cls, tokens: Sequence[int], seconds, gamma: int, *, overhead_seconds=0.0,
+                    meta=None):
+        """A profile vs tokens in the forward (1-D, isotonic)."""
+        tokens = np.asarray(tokens)
+        raw = np.asarray(seconds, np.float64)
+        if raw.shape != tokens.shape or tokens.ndim != 1:
+            raise ValueError(f"tokens {tokens.shape} and seconds {raw.shape} must be equal 1-D")
+        order = np.argsort(tokens)
+        tokens, raw = tokens[order], raw[order]
+        return cls("tokens", int(gamma), tuple(int(t) for t in tokens), isotonic_increasing(raw),
+                   raw, float(overhead_seconds), dict(meta or {}))
+
+    # queries ------------------------------------------------------------------------------
+    def token_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [n] ascending, seconds [n] non-decreasing): the 1-D view of the profile."""
+        if self.kind == "tokens":
+            return np.asarray(self.points, np.float64), np.asarray(self.seconds)
+        cols = np.arange(1, self.gamma + 2)
+        tok = (np.asarray(self.points)[:, None] * cols[None]).ravel().astype(np.float64)
+        sec = np.asarray(self.seconds).ravel()
+        order = np.argsort(tok, kind="stable")
+        tok, sec = tok[order], sec[order]
+        uniq, inv = np.unique(tok, return_inverse=True)
+        mean = np.bincount(inv, sec) / np.bincount(inv)
+        return uniq, isotonic_increasing(mean, np.bincount(inv).astype(np.float64))
+
+    def seconds_at_tokens(self, tokens) -> np.ndarray:
+        """Forward time at `tokens` tokens (the token curve; linear extrapolation beyond the
+        largest measured count from the last segment's slope, clamped below)."""
+        tok, sec = self.token_curve()
+        x = np.asarray(tokens, np.float64)
+        y = np.interp(x, tok, sec)
+        if len(tok) >= 2:
+            slope = max((sec[-1] - sec[-2]) / (tok[-1] - tok[-2]), 0.0)
+            y = np.where(x > tok[-1], sec[-1] + slope * (x - tok[-1]), y)
+        return y
+
+    def step_seconds_for(self, batch: int) -> np.ndarray:
+        """float32 [gamma+1]: verify time with S = 1..gamma+1 columns at `batch` rows
+        (non-decreasing in S)."""
+        batch = int(batch)
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        cols = np.arange(1, self.gamma + 2)
+        pts = np.asarray(self.points)
+        if self.kind == "tokens" or batch < pts[0] or batch > pts[-1]:
+            out = self.seconds_at_tokens(batch * cols)
+        else:
+            i = int(np.searchsorted(pts, batch, side="left"))
+            if pts[i] == batch:
+                out = np.asarray(self.seconds[i])
+            else:
+                lo, hi = pts[i - 1], pts[i]
+                f = (batch - lo) / (hi - lo)
+                out = (1 - f) * self.seconds[i - 1] + f * self.seconds[i]
+        return np.maximum.accumulate(np.asarray(out, np.float64)).astype(np.float32)
+
+    # persistence -------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return dict(kind=self.kind, gamma=self.gamma, points=list(self.points),
+                    seconds=np.asarray(self.seconds).tolist(),
+                    raw=None if self.raw is None else np.asarray(self.raw).tolist(),
+                    overhead_seconds=self.overhead_seconds, meta=self.meta)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "VerifyCost":
+        missing = {"kind", "gamma", "points", "seconds"} - set(d)
+        if missing:
+            raise ValueError(f"verify cost profile lacks {sorted(missing)}")
+        return cls(d["kind"], int(d["gamma"]), tuple(int(p) for p in d["points"]),
+                   np.asarray(d["seconds"], np.float64),
+                   None if d.get("raw") is None else np.asarray(d["raw"], np.float64),
+                   float(d.get("overhead_seconds", 0.0)), dict(d.get("meta", {})))
+
+    def save(self, path) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> "VerifyCost":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    def with_overhead(self, overhead_seconds: float) -> "VerifyCost":
+        return dataclasses.replace(self, overhead_seconds=float(overhead_seconds))
+
+
+def flat_cost(gamma: int, seconds: float = 1.0, batches=(1,)) -> VerifyCost:
+    """A cost that does not depend on the columns (verify-everything regime); for tests."""
+    return VerifyCost.from_grid(batches, np.full((len(batches), gamma + 1), seconds))
+
+
+# --- measuring the cost on the device --------------------------------------------------------
+
+
+def measure_verify_cost(params, batches: Sequence[int], gamma: int, *, context: int = 256,
+                        repeats: int = 10, warmup: int = 2, seed: int = 0,
+                        window_slots: int | None = None, verbose: bool = False) -> VerifyCost:
+    """Times the target's verify forward on the default device.
+
+    For each batch B: a decode state prefilled with `context` random tokens per row (real
+    prefill, so every ring/row is valid), then for S = 1..gamma+1 the jitted
+    `transformer.forward_chunk(params, state, ids [B,S], n_new=S, all_logits=True)` with the
+    state donated and its lengths moved back after each call (what a rejected verify does);
+    compile + `warmup` runs excluded, median of `repeats` timed runs (block_until_ready).
+    Returns `VerifyCost.from_grid` (isotonic fit; raw medians kept)."""
+    from deepinfer_fn.generate import prefill
+    from deepinfer_fn.model import transformer
+    from deepinfer_fn.speculative.verify import rollback
+    from deepinfer_fn.state import init_state
+
+    cfg = params.config
+    if gamma < 1 or not batches:
+        raise ValueError(f"need gamma >= 1 and at least one batch, got {gamma}, {batches}")
+    if context < 1 or context + gamma + 1 > cfg.max_position_embeddings:
+        raise ValueError(f"context={context} out of range for max_position_embeddings="
+                         f"{cfg.max_position_embeddings}")
+    slots = max(window_slots or 0, cfg.sliding_window + gamma)
+    fwd = jax.jit(lambda p, s, ids, n: transformer.forward_chunk(p, s, ids, n, all_logits=True)[:2],
+                  donate_argnums=(1,))
+    rng = np.random.default_rng(seed)
+    table = []
+    for B in batches:
+        state = init_state(cfg, int(B), context + gamma + 16, window_slots=slots, dtype=params.dtype)
+        prompt = rng.integers(2, cfg.vocab_size, size=(int(B), context)).astype(np.int32)
+        _, state = prefill(params, state, prompt, np.full((int(B),), context, np.int32),
+                           min(context, 512))
+        lengths0 = np.asarray(state.lengths)   # host copy: the device one is donated
+        row = []
+        for S in range(1, gamma + 2):
+            ids = jnp.asarray(rng.integers(2, cfg.vocab_size, size=(int(B), S)), jnp.int32)
+            n_new = jnp.full((int(B),), S, jnp.int32)
+            times = []
+            for it in range(warmup + 1 + repeats):
+                t0 = time.perf_counter()
+                logits, state = fwd(params, state, ids, n_new)
+                logits.block_until_ready()
+                dt = time.perf_counter() - t0
+                state = rollback(state, jnp.asarray(lengths0))
+                if it > warmup:
+                    times.append(dt)
+            row.append(float(np.median(times)))
+            if verbose:
+                print(f"  verify cost: batch {B:4d} columns {S}: {row[-1] * 1e3:8.3f} ms",
+                      flush=True)
+        table.append(row)
+    meta = dict(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
+                context=context, repeats=repeats, dtype=str(jnp.dtype(params.dtype)))
+    return VerifyCost.from_grid([int(b) for b in batches], np.asarray(table), meta=meta)
