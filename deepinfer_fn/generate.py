@@ -25,7 +25,7 @@ from jax.experimental import io_callback
 
 from deepinfer_fn.model import transformer
 from deepinfer_fn.params import Params
-from deepinfer_fn.sampling import SamplingParams, sample, sampling_params
+from deepinfer_fn.sampling import Role, SamplingParams, request_key, sample, sampling_params
 from deepinfer_fn.state import DecodeState, init_state
 from deepinfer_fn import speculative as spec
 from deepinfer_fn import structured
@@ -45,7 +45,9 @@ class GenerateOutput:
     Speculative decoding only (else None): accepted int32 [B, N], per verify step of each row
     the number of accepted draft tokens g (the step emitted g + 1 tokens), -1 after the row's
     last step; verified int32 [B, N] the number of drafts verified in that step (k, fewer
-    near max_new_tokens), -1 likewise. `acceptance()` summarises them."""
+    near max_new_tokens), -1 likewise. `acceptance()` summarises them. DSpark only:
+    draft_confidence float32 [B, N, γ], the drafter's confidence logits of each step's γ
+    slots (uncalibrated; rows as in `accepted`), the log STS calibration reads (spec §1.5)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -55,6 +57,7 @@ class GenerateOutput:
         default=None, metadata=dict(static=True))
     accepted: jax.Array | None = None
     verified: jax.Array | None = None
+    draft_confidence: jax.Array | None = None
 
     def finish_reasons(self) -> list[str]:
         status = self.constraint_status or (None,) * len(self.stopped)
@@ -247,8 +250,9 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     its block of γ tokens per step (num_draft_tokens, if given, must equal γ); each row
     verifies ell of them: verify_len="fixed" -> ell = γ (deterministic with a fixed seed),
     "dynamic" -> ell per row from the confidence head and `verify_cost` (a
-    `speculative.schedule.VerifyCost` profile; spec/dspark.md §3). Same losslessness and
-    statistics as "mtp".
+    `speculative.schedule.VerifyCost` profile; spec/dspark.md §3), "random" -> uniform in
+    0..γ per row and step (a diagnostic for losslessness tests). Same losslessness and
+    statistics as "mtp"; the output also carries the confidence logits (`draft_confidence`).
     """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
@@ -558,22 +562,28 @@ def _dspark_prefill(params, drafter, state, dstate, tokens, lengths, chunk):
     return last_logits, state, dstate
 
 
-def _verify_lengths(conf, active, cap, sched, dynamic: bool):
-    """ell [B]: cap (fixed mode), or the scheduler's padded verify length (dynamic mode,
-    deepinfer_fn/speculative/schedule.py; decided from confidences only: non-anticipating)."""
-    if not dynamic:
+def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
+    """ell [B]: cap ("fixed"); the scheduler's padded verify length ("dynamic",
+    deepinfer_fn/speculative/schedule.py; decided from confidences only: non-anticipating);
+    or uniform in 0..cap per row and step ("random": a diagnostic mode for losslessness
+    tests, spec §6.3; its key is the DRAFT stream at slot γ, which no draft uses)."""
+    if mode == "fixed":
         return cap
+    if mode == "random":
+        keys = request_key(seed, None, step=step, slot=conf.shape[1], role=Role.DRAFT)
+        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+        return jnp.minimum((u * (cap + 1).astype(jnp.float32)).astype(jnp.int32), cap)
     from deepinfer_fn.speculative import schedule
     temps, step_seconds, overhead, eps = sched
     ell = schedule.padded_verify_len(conf, temps, active, cap, step_seconds, overhead, eps)
     return jnp.clip(ell.astype(jnp.int32), 0, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "dynamic"),
+@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode"),
                    donate_argnums=(2, 3))
 def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeState, logits,
                    done, sampling: SamplingParams, pad_id, sched, *, n: int,
-                   stop_tokens: tuple[int, ...], dynamic: bool):
+                   stop_tokens: tuple[int, ...], mode: str):
     """Up to n tokens per row: the first sampled from the prefill logits, then
     `lax.while_loop` steps of draft (DSpark block of γ) -> verify ell_b + 1 tokens per row
     (one all-logits forward with the taps) -> accept -> rollback of the target state ->
@@ -599,11 +609,12 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         return (loop[0] < n) & ~jnp.all(loop[7])
 
     def body(loop):
-        i, state, dstate, anchor, out, logp, count, done, step, acc_h, ver_h = loop
+        i, state, dstate, anchor, out, logp, count, done, step, acc_h, ver_h, conf_h = loop
         active = ~done
         cap = jnp.where(active, jnp.clip(n - count - 1, 0, g_max), 0)
         drafts, q, conf = spec.dspark.draft(drafter, params, dstate, anchor, sampling, step)
-        ell = jnp.where(active, _verify_lengths(conf, active, cap, sched, dynamic), 0)
+        ell = jnp.where(active, _verify_lengths(conf, active, cap, sched, mode, sampling.seed,
+                                                step), 0)
         ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
         logits, new_state, _, feats = transformer.forward_chunk(
             params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True,
@@ -623,25 +634,27 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         anchor = jnp.take_along_axis(tokens, g[:, None], axis=1)[:, 0]
         acc_h = acc_h.at[:, i].set(jnp.where(active, g, -1))
         ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
+        conf_h = conf_h.at[:, i].set(conf)
         done = done | hit | (count >= n)
         return (i + 1, state, dstate, anchor, out, logp, count, done,
-                step + active.astype(jnp.int32), acc_h, ver_h)
+                step + active.astype(jnp.int32), acc_h, ver_h, conf_h)
 
     init = (jnp.int32(0), state, dstate, first, out, logp, count, done,
-            jnp.zeros((B,), jnp.int32), hist, hist)
+            jnp.zeros((B,), jnp.int32), hist, hist, jnp.zeros((B, n, g_max), jnp.float32))
     loop = jax.lax.while_loop(cond, body, init)
     out, logp, count, done = loop[4:8]
-    acc_h, ver_h = loop[9:]
+    acc_h, ver_h, conf_h = loop[9:]
     last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
     stopped = (count > 0) & jnp.isin(last, stops)
-    return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h
+    return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h, conf_h
 
 
 def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
     """(temps [γ], step_seconds [γ+1], overhead, eps) for the dynamic scheduler, else None."""
-    if verify_len == "fixed":
+    if verify_len in ("fixed", "random"):
         if verify_cost is not None:
-            raise ValueError("verify_cost is only used with verify_len='dynamic'")
+            raise ValueError(f"verify_cost is only used with verify_len='dynamic', not "
+                             f"{verify_len!r}")
         return None
     if verify_cost is None:
         raise ValueError("verify_len='dynamic' needs verify_cost= (a speculative.schedule."
@@ -652,7 +665,7 @@ def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
         raise ValueError(f"verify_cost.step_seconds_for({batch}) has shape {step_seconds.shape}; "
                          f"expected ({g + 1},) for a drafter with block size {g}")
     overhead = float(getattr(verify_cost, "overhead_seconds", 0.0))
-    eps = float(getattr(verify_cost, "eps", 1e-6))
+    eps = float(getattr(verify_cost, "eps", 0.0))
     return (drafter.sts_temperatures.astype(jnp.float32), jnp.asarray(step_seconds),
             jnp.float32(overhead), jnp.float32(eps))
 
@@ -674,8 +687,8 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
         raise ValueError(f"num_draft_tokens={k!r} but this DSpark drafter has block size "
                          f"{gamma}: the draft width is a checkpoint constant (spec/dspark.md "
                          f"§1.1); leave num_draft_tokens unset (verify_len picks how many to verify)")
-    if verify_len not in ("fixed", "dynamic"):
-        raise ValueError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
+    if verify_len not in ("fixed", "dynamic", "random"):
+        raise ValueError(f"verify_len must be 'fixed', 'dynamic' or 'random', got {verify_len!r}")
     if mesh_context(params)[0] is not None:
         raise NotImplementedError("speculative decoding on a sharded mesh is not supported yet")
     B = tokens.shape[0]
@@ -689,8 +702,8 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
                                             prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    out, logp, count, stopped, acc, ver = _dspark_decode(
+    out, logp, count, stopped, acc, ver, conf = _dspark_decode(
         params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,
-        n=max_new_tokens, stop_tokens=stop_tokens, dynamic=sched is not None)
+        n=max_new_tokens, stop_tokens=stop_tokens, mode=verify_len)
     return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
-                          accepted=acc, verified=ver)
+                          accepted=acc, verified=ver, draft_confidence=conf)

@@ -283,6 +283,37 @@ def confidence_logits(drafter: DSpark, h, e):
         drafter["confidence_bias"][0]
 
 
+def anchored_blocks(drafter: DSpark, params, features, seqs, anchors):
+    """The drafter without a cache, over many anchors at once (training; test oracle).
+
+    features [B,T,m,D]: target taps of positions 0..T-1; seqs [B,T] their tokens; anchors
+    [B,A] anchor positions P (< T). Block a of row b sees context positions P-W..P-1 (their
+    KV injected from `features`) and its own γ slots. Returns (h [B,A,γ,D] pre-norm hidden,
+    base logits U f32 [B,A,γ,V])."""
+    cfg = params.config
+    dcfg = drafter.config
+    g, W = dcfg.block_size, dcfg.window
+    B, T = seqs.shape
+    A = anchors.shape[1]
+    main_x = main_features(drafter, features, cfg.rms_norm_eps)
+    ctx_kv = context_kv(drafter, cfg, main_x,
+                        jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    slot = jnp.arange(g, dtype=jnp.int32)
+    qpos = (anchors[:, :, None] + slot).reshape(B, A * g)
+    first = jnp.take_along_axis(seqs, anchors, axis=1)
+    ids = jnp.where(slot[None, None] == 0, first[:, :, None],
+                    dcfg.noise_token_id).reshape(B, A * g)
+    P = jnp.repeat(anchors, g, axis=1)[:, :, None]                               # [B,Q,1]
+    s = jnp.arange(T)[None, None]
+    ctx_bias = jnp.where((s < P) & (s >= P - W), 0.0, NEG_INF)
+    blk = jnp.repeat(jnp.arange(A), g)
+    block_bias = jnp.broadcast_to(jnp.where(blk[:, None] == blk[None], 0.0, NEG_INF),
+                                  (B, A * g, A * g))
+    h = stage_stack(drafter, cfg, params["embed"], ids, qpos, ctx_kv, ctx_bias, block_bias)
+    U = base_logits(drafter, params["head"], h, cfg.rms_norm_eps)
+    return h.reshape(B, A, g, -1), U.reshape(B, A, g, -1)
+
+
 # ------------------------------------------------------------------------------- drafting
 def draft(drafter: DSpark, params, dstate: DecodeState, anchor, sampling: SamplingParams, step):
     """γ draft tokens per row (module docstring).
