@@ -417,3 +417,124 @@ def test_calibration_metrics_against_definitions():
     assert abs(sch.ece(p, y) - want) < 1e-12
     with pytest.raises(ValueError, match="accepted"):
         sch.sts_calibrate(np.zeros((3, 2)), np.array([0, 3, 1]))
+
+
+# Multi-row toy: bigram target P [V,V] and draft Q [V,V] over V = 4 tokens, anchor 0, g = 3
+# drafts per row, confidences that read the previous draft (as DSpark's do). The first two
+# emitted tokens must follow p(e1 | 0) p(e2 | e1) whatever the verify lengths, as long as they
+# are decided non-anticipatingly; rows that emit one token get e2 from a plain draw.
+TV, TG, TROWS, TR = 4, 3, 48_000, 4          # vocab, drafts, rows, rows per scheduling group
+
+
+def _toy_setup(seed=21):
+    rng = np.random.default_rng(seed)
+    P = 1.5 * rng.normal(size=(TV, TV))
+    Q = P + 1.2 * rng.normal(size=(TV, TV))
+    soft = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    x = np.zeros((TROWS, TG + 1), np.int64)                       # x[:, 0] = anchor 0
+    for j in range(1, TG + 1):
+        cdf = np.cumsum(soft(Q[x[:, j - 1]]), -1)
+        x[:, j] = np.minimum((rng.random((TROWS, 1)) > cdf).sum(-1), TV - 1)
+    conf_table = rng.normal(1.0, 1.5, size=TV)
+    z = conf_table[x[:, :TG]] + 0.5 * rng.normal(size=(TROWS, TG))  # z_j reads x_{j-1}
+    plain_u = rng.random(TROWS)
+    return dict(P=P, Q=Q, x=x, z=z.astype(np.float32), plain_u=plain_u, p=soft(P),
+                drafts=x[:, 1:].astype(np.int32),
+                p_logits=P[x].astype(np.float32),                  # o_j = P[token j]
+                q_logits=Q[x[:, :TG]].astype(np.float32))
+
+
+def _toy_emitted(toy, tokens, g):
+    e1 = tokens[:, 0]
+    cdf = np.cumsum(toy["p"][e1], -1)
+    plain = np.minimum((toy["plain_u"][:, None] > cdf).sum(-1), TV - 1)
+    e2 = np.where(g >= 1, tokens[:, 1], plain)
+    counts = np.zeros((TV, TV))
+    np.add.at(counts, (e1, e2), 1)
+    joint = toy["p"][0][:, None] * toy["p"]
+    return stats.chisquare(counts.ravel(), joint.ravel() * counts.sum()).pvalue
+
+
+def _toy_ell(toy, how):
+    z = toy["z"]
+    groups = z.reshape(-1, TR, TG)
+    step = np.float32(0.01) * (1 + 0.9 * np.arange(TG + 1, dtype=np.float32))
+    if how == "random":
+        return np.random.default_rng(5).integers(0, TG + 1, TROWS).astype(np.int32)
+    if how == "padded":
+        f = jax.jit(jax.vmap(lambda zg: sch.padded_verify_len(
+            zg, jnp.ones(TG), jnp.ones(TR, bool), jnp.full(TR, TG), step, 0.0)))
+        return np.asarray(f(groups)).ravel()
+    if how == "topk":       # capacity fixed beforehand (stale information): random per group
+        k = np.random.default_rng(6).integers(0, TR * TG + 1, len(groups)).astype(np.int32)
+        a = jax.vmap(lambda zg: sch.survivals(zg, jnp.ones(TG)))(groups)
+        f = jax.jit(jax.vmap(lambda ag, kg: sch.allocate_topk(ag, jnp.ones(TR, bool),
+                                                              jnp.full(TR, TG), kg)))
+        return np.asarray(f(a, k)).ravel()
+    if how == "sync":
+        a = sch.survivals_np(z, np.ones(TG)).reshape(-1, TR, TG)
+        cost = lambda n: 0.004 + 0.0025 * n
+        return np.concatenate([sch.schedule_sync(ag, np.full(TR, TG), cost, 0.0) for ag in a])
+    raise ValueError(how)
+
+
+_verify_jit = jax.jit(verify)
+
+
+@pytest.mark.parametrize("how", ["random", "padded", "topk", "sync"])
+def test_verifier_lossless_under_schedulers(how):
+    """The real verifier with per-row verify lengths from each scheduler (or drawn at random,
+    independently of the drafts) emits the target's joint law of the first two tokens."""
+    toy = _toy_setup()
+    ell = _toy_ell(toy, how).astype(np.int32)
+    assert 0 < ell.mean() < TG and len(np.unique(ell)) > 1        # the lengths really vary
+    tokens, g = map(np.asarray, _verify_jit(toy["p_logits"], toy["drafts"], toy["q_logits"],
+                                            _sampling(TROWS, 1000),
+                                            jnp.zeros((TROWS,), jnp.int32), ell))
+    p = _toy_emitted(toy, tokens, g)
+    print(f"\n{how}: mean ell {ell.mean():.2f}, mean accepted {g.mean():.2f}, p = {p:.3g}")
+    assert p > 1e-3
+
+
+def _buggy_verify(p_logits, q_logits, drafts, ell, seeds, bug):
+    """A test-only sampled verifier with a deliberate bug (negative controls): 'reuse' draws one
+    acceptance uniform per row for all slots; 'p_correction' draws the correction from p instead
+    of the residual max(p - q, 0)."""
+    n, K1, V = p_logits.shape
+    k = K1 - 1
+    keys = jax.vmap(jax.random.key)(seeds)
+    u = jax.vmap(lambda kk: jax.random.uniform(jax.random.fold_in(kk, 0), (k,)))(keys)
+    if bug == "reuse":
+        u = jnp.broadcast_to(u[:, :1], u.shape)
+    p = jax.nn.softmax(p_logits, -1)
+    q = jax.nn.softmax(q_logits, -1)
+    px = jnp.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]
+    qx = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    acc = (u * qx < px) & (jnp.arange(k)[None] < ell[:, None])
+    g = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), 1), 1)
+    pg = jnp.take_along_axis(p, g[:, None, None], 1)[:, 0]
+    qg = jnp.take_along_axis(q, jnp.minimum(g, k - 1)[:, None, None], 1)[:, 0]
+    w = jnp.where((g < ell)[:, None] & (bug != "p_correction"), jnp.maximum(pg - qg, 0), pg)
+    w = jnp.where(w.sum(-1, keepdims=True) > 0, w, pg)
+    final = jax.vmap(lambda kk, ww: jax.random.categorical(jax.random.fold_in(kk, 1),
+                                                           jnp.log(ww)))(keys, w)
+    j = jnp.arange(K1)[None]
+    padded_d = jnp.concatenate([drafts, jnp.zeros((n, 1), jnp.int32)], 1)
+    tokens = jnp.where(j < g[:, None], padded_d, jnp.where(j == g[:, None], final[:, None], 0))
+    return tokens, g
+
+
+def test_negative_controls_are_detected():
+    """Same harness, random verify lengths: the bug-free test verifier passes, a reused
+    acceptance uniform and a correction drawn from p both fail (the test has power)."""
+    toy = _toy_setup()
+    ell = _toy_ell(toy, "random")
+    seeds = np.arange(TROWS, dtype=np.uint32) + 7
+    ps = {}
+    for bug in ("none", "reuse", "p_correction"):
+        f = jax.jit(functools.partial(_buggy_verify, bug=bug))
+        tokens, g = map(np.asarray, f(toy["p_logits"], toy["q_logits"], toy["drafts"], ell, seeds))
+        ps[bug] = _toy_emitted(toy, tokens, g)
+    print(f"\nnegative controls: {ps}")
+    assert ps["none"] > 1e-3
+    assert ps["reuse"] < 1e-6 and ps["p_correction"] < 1e-6

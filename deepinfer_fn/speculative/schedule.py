@@ -143,7 +143,8 @@ class VerifyCost:
     linear interpolation between the neighbouring measured batches (outside the measured range:
     the token curve built from the grid's own points, linearly extrapolated). `overhead_seconds`
     is the rest of a speculative step (draft, sampling) when known, else 0. `raw` keeps the
-    medians before fitting; `meta` free-form (device, context, repeats ...).
+    medians before fitting; `meta` free-form (device, context, repeats ...); `eps` the
+    scheduler's minimum relative gain (padded_verify_len's eps).
     """
 
     kind: str
@@ -153,6 +154,7 @@ class VerifyCost:
     raw: np.ndarray | None = None
     overhead_seconds: float = 0.0
     meta: dict = dataclasses.field(default_factory=dict)
+    eps: float = 1e-6                # scheduler hysteresis (minimum relative gain)
 
     def __post_init__(self):
         if self.kind not in ("grid", "tokens"):
@@ -245,7 +247,7 @@ class VerifyCost:
         return dict(kind=self.kind, gamma=self.gamma, points=list(self.points),
                     seconds=np.asarray(self.seconds).tolist(),
                     raw=None if self.raw is None else np.asarray(self.raw).tolist(),
-                    overhead_seconds=self.overhead_seconds, meta=self.meta)
+                    overhead_seconds=self.overhead_seconds, meta=self.meta, eps=self.eps)
 
     @classmethod
     def from_json(cls, d: dict) -> "VerifyCost":
@@ -255,7 +257,8 @@ class VerifyCost:
         return cls(d["kind"], int(d["gamma"]), tuple(int(p) for p in d["points"]),
                    np.asarray(d["seconds"], np.float64),
                    None if d.get("raw") is None else np.asarray(d["raw"], np.float64),
-                   float(d.get("overhead_seconds", 0.0)), dict(d.get("meta", {})))
+                   float(d.get("overhead_seconds", 0.0)), dict(d.get("meta", {})),
+                   float(d.get("eps", 1e-6)))
 
     def save(self, path) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -269,6 +272,11 @@ class VerifyCost:
 
     def with_overhead(self, overhead_seconds: float) -> "VerifyCost":
         return dataclasses.replace(self, overhead_seconds=float(overhead_seconds))
+
+    def with_eps(self, eps: float) -> "VerifyCost":
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        return dataclasses.replace(self, eps=float(eps))
 
 
 def flat_cost(gamma: int, seconds: float = 1.0, batches=(1,)) -> VerifyCost:
