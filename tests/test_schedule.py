@@ -458,7 +458,7 @@ def _toy_emitted(toy, tokens, g):
 def _toy_ell(toy, how):
     z = toy["z"]
     groups = z.reshape(-1, TR, TG)
-    step = np.float32(0.01) * (1 + 0.9 * np.arange(TG + 1, dtype=np.float32))
+    step = np.float32(0.01) * (1 + 0.35 * np.arange(TG + 1, dtype=np.float32))
     if how == "random":
         return np.random.default_rng(5).integers(0, TG + 1, TROWS).astype(np.int32)
     if how == "padded":
