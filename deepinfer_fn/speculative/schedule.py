@@ -143,7 +143,8 @@ class VerifyCost:
     linear interpolation between the neighbouring measured batches (outside the measured range:
     the token curve built from the grid's own points, linearly extrapolated). `overhead_seconds`
     is the rest of a speculative step (draft, sampling) when known, else 0. `raw` keeps the
-    medians before fitting; `meta` free-form (device, context, repeats ...).
+    medians before fitting; `meta` free-form (device, context, repeats ...); `eps` the
+    scheduler's minimum relative gain (padded_verify_len's eps).
     """
 
     kind: str
@@ -153,6 +154,7 @@ class VerifyCost:
     raw: np.ndarray | None = None
     overhead_seconds: float = 0.0
     meta: dict = dataclasses.field(default_factory=dict)
+    eps: float = 1e-6                # scheduler hysteresis (minimum relative gain)
 
     def __post_init__(self):
         if self.kind not in ("grid", "tokens"):
@@ -245,7 +247,7 @@ class VerifyCost:
         return dict(kind=self.kind, gamma=self.gamma, points=list(self.points),
                     seconds=np.asarray(self.seconds).tolist(),
                     raw=None if self.raw is None else np.asarray(self.raw).tolist(),
-                    overhead_seconds=self.overhead_seconds, meta=self.meta)
+                    overhead_seconds=self.overhead_seconds, meta=self.meta, eps=self.eps)
 
     @classmethod
     def from_json(cls, d: dict) -> "VerifyCost":
@@ -255,7 +257,8 @@ class VerifyCost:
         return cls(d["kind"], int(d["gamma"]), tuple(int(p) for p in d["points"]),
                    np.asarray(d["seconds"], np.float64),
                    None if d.get("raw") is None else np.asarray(d["raw"], np.float64),
-                   float(d.get("overhead_seconds", 0.0)), dict(d.get("meta", {})))
+                   float(d.get("overhead_seconds", 0.0)), dict(d.get("meta", {})),
+                   float(d.get("eps", 1e-6)))
 
     def save(self, path) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -269,6 +272,11 @@ class VerifyCost:
 
     def with_overhead(self, overhead_seconds: float) -> "VerifyCost":
         return dataclasses.replace(self, overhead_seconds=float(overhead_seconds))
+
+    def with_eps(self, eps: float) -> "VerifyCost":
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        return dataclasses.replace(self, eps=float(eps))
 
 
 def flat_cost(gamma: int, seconds: float = 1.0, batches=(1,)) -> VerifyCost:
@@ -333,3 +341,228 @@ def measure_verify_cost(params, batches: Sequence[int], gamma: int, *, context: 
     meta = dict(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
                 context=context, repeats=repeats, dtype=str(jnp.dtype(params.dtype)))
     return VerifyCost.from_grid([int(b) for b in batches], np.asarray(table), meta=meta)
+
+
+# --- packed (ragged) layout: the production policy of §3.3 / §3.4 -----------------------------
+
+
+def _as_cost_fn(verify_seconds):
+    """verify_seconds: a callable tokens -> seconds, a `VerifyCost` (its token curve), or an
+    array indexed by the token count."""
+    if isinstance(verify_seconds, VerifyCost):
+        return lambda n: float(verify_seconds.seconds_at_tokens(n))
+    if callable(verify_seconds):
+        return lambda n: float(verify_seconds(n))
+    table = np.asarray(verify_seconds, np.float64)
+    return lambda n: float(table[int(n)])
+
+
+def candidate_order(a, valid) -> np.ndarray:
+    """Flat indices (r * g + j) of the valid candidates in scheduling order: a descending,
+    ties by slot j ascending, then by request r ascending (§3.3). Because a is non-increasing
+    along j, (r, j) always precedes (r, j + 1): every prefix of the order is prefix-closed per
+    request."""
+    a = np.asarray(a, np.float64)
+    R, g = a.shape
+    r, j = np.meshgrid(np.arange(R), np.arange(g), indexing="ij")
+    flat = np.flatnonzero(np.asarray(valid).ravel())
+    order = np.lexsort((r.ravel()[flat], j.ravel()[flat], -a.ravel()[flat]))
+    return flat[order]
+
+
+def schedule_sync(a, cap, verify_seconds, fixed_seconds: float, eps: float = 0.0,
+                  active=None) -> np.ndarray:
+    """Exact synchronous early-stopping scheduler for a packed verify layout (§3.3; host).
+
+    a [R,g] prefix survivals of this step (non-increasing along g); cap [R] (<= g); verify
+    seconds of a forward with B tokens (`_as_cost_fn`); fixed_seconds = T_fixed + T_draft(R);
+    eps >= 0 hysteresis. Starting from B = R (anchors only), walk the candidates in
+    `candidate_order` and admit each while it raises the expected throughput
+    tau / (fixed + T_verify(B)) by more than the factor (1 + eps); stop at the first that does
+    not (never look further: lossless, §2.5). Returns ell int [R]."""
+    a = np.asarray(a, np.float64)
+    R, g = a.shape
+    active = np.ones(R, bool) if active is None else np.asarray(active, bool)
+    cap = np.clip(np.asarray(cap), 0, g)
+    cost = _as_cost_fn(verify_seconds)
+    valid = active[:, None] & (np.arange(1, g + 1)[None] <= cap[:, None]) & (a > 0)
+    n_req = int(active.sum())
+    B, tau = n_req, float(n_req)
+    best = tau / (fixed_seconds + cost(B)) if n_req else 0.0
+    ell = np.zeros(R, np.int64)
+    for idx in candidate_order(a, valid):
+        r, j = divmod(int(idx), g)
+        new_tau = tau + a[r, j]
+        new_theta = new_tau / (fixed_seconds + cost(B + 1))
+        if new_theta <= best * (1 + eps):
+            break
+        ell[r] = j + 1
+        B, tau, best = B + 1, new_tau, new_theta
+    return ell
+
+
+def default_buckets(n_requests: int, gamma: int, multiple: int = 32) -> list[int]:
+    """Capacity buckets for R requests (§2.6): R, the multiples of `multiple` in between, and
+    R * (gamma + 1)."""
+    top = n_requests * (gamma + 1)
+    mids = range((n_requests // multiple + 1) * multiple, top, multiple)
+    return sorted({n_requests, *mids, top})
+
+
+def choose_capacity(stale_a, cap, buckets: Sequence[int], verify_seconds,
+                    fixed_seconds: float, active=None) -> tuple[int, np.ndarray]:
+    """Host-side capacity choice from STALE survivals (§3.4).
+
+    stale_a [R,g]: each request's prefix survivals from its latest finished step (rows without
+    history: NaN, replaced by the per-slot mean of the others, or 1 when nobody has history);
+    cap [R]; buckets: candidate token capacities; verify seconds as in `schedule_sync`.
+    For each bucket C >= R: est_tau = R + the (C - R) largest valid stale survivals,
+    theta = est_tau / (fixed + T_verify(C)); returns (argmax C, theta per bucket [nb], -inf for
+    buckets below R). A full search is lossless here because nothing of the current step's
+    drafts enters it; it can jump over cliffs of a jagged cost curve."""
+    a = np.array(stale_a, np.float64)
+    R, g = a.shape
+    active = np.ones(R, bool) if active is None else np.asarray(active, bool)
+    missing = np.isnan(a).any(axis=1)
+    if missing.any():
+        known = a[~missing & active]
+        fill = known.mean(axis=0) if len(known) else np.ones(g)
+        a[missing] = fill
+    cap = np.clip(np.asarray(cap), 0, g)
+    valid = active[:, None] & (np.arange(1, g + 1)[None] <= cap[:, None]) & (a > 0)
+    vals = np.sort(a[valid])[::-1]
+    gains = np.concatenate([[0.0], np.cumsum(vals)])
+    cost = _as_cost_fn(verify_seconds)
+    n_req = int(active.sum())
+    buckets = [int(b) for b in buckets]
+    theta = np.full(len(buckets), -np.inf)
+    for i, C in enumerate(buckets):
+        if C >= n_req:
+            k = min(C - n_req, len(vals))
+            theta[i] = (n_req + gains[k]) / (fixed_seconds + cost(C))
+    if not np.isfinite(theta).any():
+        raise ValueError(f"no capacity bucket holds the {n_req} anchors: {buckets}")
+    return buckets[int(np.argmax(theta))], theta
+
+
+def allocate_topk(a, active, cap, n_slots):
+    """Device-side allocation inside a step of capacity C (§3.4; jittable).
+
+    a f32 [R,g] fresh prefix survivals; active bool [R]; cap int32 [R]; n_slots = C - R
+    (int or traced int32): the verify slots of the bucket. Takes the n_slots best candidates
+    (a > 0, j <= cap_r, active rows) in `candidate_order`'s order (a descending, ties by slot
+    then request); the taken set is a prefix of every request. Returns ell int32 [R]."""
+    a = jnp.asarray(a, jnp.float32)
+    R, g = a.shape
+    slot = jnp.arange(1, g + 1)
+    valid = (jnp.asarray(active, bool)[:, None] & (slot[None] <= jnp.asarray(cap)[:, None])
+             & (a > 0))
+    r_idx = jnp.broadcast_to(jnp.arange(R)[:, None], (R, g)).ravel()
+    j_idx = jnp.broadcast_to(jnp.arange(g)[None], (R, g)).ravel()
+    key = jnp.where(valid.ravel(), -a.ravel(), jnp.inf)          # invalid last
+    order = jnp.lexsort((r_idx, j_idx, key))
+    rank = jnp.zeros((R * g,), jnp.int32).at[order].set(jnp.arange(R * g, dtype=jnp.int32))
+    taken = valid.ravel() & (rank < jnp.asarray(n_slots, jnp.int32))
+    return jnp.sum(taken.reshape(R, g), axis=1).astype(jnp.int32)
+
+
+# --- STS calibration (§1.5) --------------------------------------------------------------------
+
+
+def default_temperature_grid(n: int = 60, lo: float = 0.25, hi: float = 8.0) -> np.ndarray:
+    """n log-spaced temperatures in [lo, hi], plus 1.0 (the uncalibrated head)."""
+    return np.unique(np.append(np.geomspace(lo, hi, n), 1.0))
+
+
+def ece(prob, outcome, n_bins: int = 15) -> float:
+    """Expected calibration error: count-weighted mean |mean prob - mean outcome| over
+    n_bins equal-width probability bins."""
+    prob = np.asarray(prob, np.float64).ravel()
+    y = np.asarray(outcome, np.float64).ravel()
+    if prob.size == 0:
+        return float("nan")
+    b = np.minimum((prob * n_bins).astype(np.int64), n_bins - 1)
+    n = np.bincount(b, minlength=n_bins)
+    sp = np.bincount(b, prob, minlength=n_bins)
+    sy = np.bincount(b, y, minlength=n_bins)
+    return float(np.sum(np.abs(sp - sy)) / prob.size)
+
+
+def auc(score, outcome) -> float:
+    """Area under the ROC curve (Mann-Whitney, ties count half); nan with one class only."""
+    s = np.asarray(score, np.float64).ravel()
+    y = np.asarray(outcome, bool).ravel()
+    n1, n0 = int(y.sum()), int((~y).sum())
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    order = np.argsort(s, kind="mergesort")
+    ranks = np.empty(len(s))
+    sorted_s = s[order]
+    # average ranks over ties
+    starts = np.flatnonzero(np.r_[True, np.diff(sorted_s) != 0])
+    ends = np.r_[starts[1:], len(s)]
+    avg = (starts + ends - 1) / 2.0 + 1.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    return float((ranks[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def brier(prob, outcome) -> float:
+    prob = np.asarray(prob, np.float64).ravel()
+    return float(np.mean((prob - np.asarray(outcome, np.float64).ravel()) ** 2))
+
+
+def prefix_outcomes(accepted, g: int) -> np.ndarray:
+    """A [N,g] bool: A_k = 1[first k drafts all accepted] from accepted counts [N] of steps
+    verified at full length g."""
+    acc = np.asarray(accepted)
+    if acc.ndim != 1 or np.any(acc < 0) or np.any(acc > g):
+        raise ValueError(f"accepted must be [N] counts in 0..{g} (full-length verification)")
+    return acc[:, None] >= np.arange(1, g + 1)[None]
+
+
+def sts_calibrate(conf_logits, accepted, grid=None, n_bins: int = 15):
+    """Sequential temperature scaling (§1.5).
+
+    conf_logits [N,g] the head's confidence logits of N logged steps verified at FULL length
+    g (fixed verification: dynamic logs are biased); accepted [N] the accepted draft count of
+    each step. For k = 1..g in order, with t_1..t_{k-1} frozen, pick t_k from `grid` (default
+    `default_temperature_grid`) minimising the ECE of prod_{i<=k} sigmoid(z_i / t_i) against
+    A_k = 1[first k accepted]; ties -> the temperature closest to 1. Returns (temps [g] float32,
+    report = `calibration_report(conf_logits, accepted, temps)`)."""
+    z = np.asarray(conf_logits, np.float64)
+    if z.ndim != 2 or z.shape[0] == 0:
+        raise ValueError(f"conf_logits must be [N, g] with N > 0, got {z.shape}")
+    N, g = z.shape
+    A = prefix_outcomes(accepted, g)
+    grid = default_temperature_grid() if grid is None else np.asarray(grid, np.float64)
+    if grid.ndim != 1 or grid.size == 0 or np.any(grid <= 0):
+        raise ValueError("grid must be a non-empty 1-D array of positive temperatures")
+    grid = grid[np.argsort(np.abs(np.log(grid)), kind="stable")]   # ties -> closest to 1
+    temps = np.ones(g)
+    prefix = np.ones(N)
+    for k in range(g):
+        errs = [ece(prefix * _sigmoid(z[:, k] / t), A[:, k], n_bins) for t in grid]
+        temps[k] = grid[int(np.argmin(errs))]
+        prefix = prefix * _sigmoid(z[:, k] / temps[k])
+    return temps.astype(np.float32), calibration_report(z, accepted, temps, n_bins)
+
+
+def calibration_report(conf_logits, accepted, temps, n_bins: int = 15) -> dict:
+    """Per position k: ECE, AUC and Brier of the cumulative product against A_k, before
+    (temperatures 1) and after (`temps`) calibration; plus the base rate of A_k."""
+    z = np.asarray(conf_logits, np.float64)
+    g = z.shape[1]
+    A = prefix_outcomes(accepted, g)
+    before = survivals_np(z, np.ones(g))
+    after = survivals_np(z, temps)
+    rows = []
+    for k in range(g):
+        rows.append(dict(position=k + 1, temperature=float(np.asarray(temps)[k]),
+                         base_rate=float(A[:, k].mean()),
+                         ece_before=ece(before[:, k], A[:, k], n_bins),
+                         ece_after=ece(after[:, k], A[:, k], n_bins),
+                         auc_before=auc(before[:, k], A[:, k]),
+                         auc_after=auc(after[:, k], A[:, k]),
+                         brier_before=brier(before[:, k], A[:, k]),
+                         brier_after=brier(after[:, k], A[:, k])))
+    return dict(n=int(z.shape[0]), positions=rows)
