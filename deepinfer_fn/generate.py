@@ -238,9 +238,9 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     "incomplete" (max_new_tokens ran out first) or "error: ..." (that row alone fails, empty).
 
     speculative="mtp": speculative decoding with the checkpoint's MTP block drafting
-    `num_draft_tokens` (k) tokens per step, all verified by one k+1-token forward. Lossless:
-    greedy rows give exactly the tokens of plain greedy decoding (up to the last-ulp
-    differences between a k+1-token chunk and single-token steps), sampled rows the same
+    `num_draft_tokens` (k, default 3) tokens per step, all verified by one k+1-token
+    forward. Lossless: greedy rows give exactly the tokens of plain greedy decoding (up to the
+    last-ulp differences between a k+1-token chunk and single-token steps), sampled rows the same
     distribution as the plain sampler (not the same draws: the keys are per verify step,
     spec/dspark.md §5.2). The output carries per-step acceptance counts (`accepted`,
     `verified`, `acceptance()`). Not combinable with `constraint` or a sharded mesh yet.
@@ -579,8 +579,7 @@ def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
     return jnp.clip(ell.astype(jnp.int32), 0, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode"),
-                   donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode"))
 def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeState, logits,
                    done, sampling: SamplingParams, pad_id, sched, *, n: int,
                    stop_tokens: tuple[int, ...], mode: str):

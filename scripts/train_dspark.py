@@ -191,10 +191,9 @@ def sts_log(out, rows) -> tuple[np.ndarray, np.ndarray]:
 def calibrate(conf, accepted) -> tuple[list[float], dict]:
     from deepinfer_fn.speculative import schedule
     if hasattr(schedule, "sts_calibrate"):
-        temps = np.asarray(schedule.sts_calibrate(conf, accepted), np.float64)
-        report = schedule.calibration_report(conf, accepted, temps) \
-            if hasattr(schedule, "calibration_report") else {}
-        return [float(t) for t in temps], dict(report=_jsonable(report), source="schedule.sts_calibrate")
+        temps, report = schedule.sts_calibrate(conf, accepted)
+        return [float(t) for t in temps], dict(report=_jsonable(report),
+                                               source="schedule.sts_calibrate")
     return [1.0] * conf.shape[1], dict(source="uncalibrated (schedule.sts_calibrate missing)")
 
 
@@ -234,6 +233,9 @@ def main(argv=None):
     ap.add_argument("--eval-new", type=int, default=64)
     ap.add_argument("--compare-mtp", action="store_true", help="also evaluate the MTP drafter")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-cache", default=None,
+                    help="npz of the sampled data and target features (written if absent); "
+                         "must match --tap/--layers and the sizes")
     args = ap.parse_args(argv)
     t0 = time.time()
     timings = {}
@@ -253,11 +255,18 @@ def main(argv=None):
     val_prompts = snippets(tok, "val", args.n_val + args.eval_prompts, args.prompt_len,
                            args.seed + 1)
     eval_prompts, val_prompts = val_prompts[:args.eval_prompts], val_prompts[args.eval_prompts:]
-    seqs = self_samples(params, np.concatenate([train_prompts, val_prompts]), args.gen_len,
-                        args.seed * 100_000, batch=64)
-    timings["sample_seconds"] = round(time.time() - t0, 1)
-    feats, hn = target_data(params, dcfg, seqs)
-    timings["target_pass_seconds"] = round(time.time() - t0 - timings["sample_seconds"], 1)
+    if args.data_cache and os.path.exists(args.data_cache):   # iterate on the recipe quickly
+        cached = np.load(args.data_cache)
+        seqs, feats, hn = cached["seqs"], cached["feats"], cached["hn"]
+        timings["data_cache"] = args.data_cache
+    else:
+        seqs = self_samples(params, np.concatenate([train_prompts, val_prompts]), args.gen_len,
+                            args.seed * 100_000, batch=64)
+        timings["sample_seconds"] = round(time.time() - t0, 1)
+        feats, hn = target_data(params, dcfg, seqs)
+        timings["target_pass_seconds"] = round(time.time() - t0 - timings["sample_seconds"], 1)
+        if args.data_cache:
+            np.savez(args.data_cache, seqs=seqs, feats=feats, hn=hn)
     n_tr = args.n_train
     data = dict(seqs=seqs, feats=feats, hn=hn)
     train = {k: v[:n_tr] for k, v in data.items()}
