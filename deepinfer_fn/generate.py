@@ -9,7 +9,9 @@ independently; the decode state is donated, and nothing returns to the host unti
 (`_speculative_generate`): the same prefill (plus the MTP drafter's), then a while-loop whose
 step drafts k tokens with the MTP block, verifies them with one k+1-token `forward_chunk`,
 accepts per row (deepinfer_fn/speculative/verify.py), rolls the state back to the accepted
-prefix and feeds the MTP the accepted positions.
+prefix and feeds the MTP the accepted positions. With a constraint, the drafts and the verified
+target distributions are masked by the grammar state at every draft position and the matchers
+roll back with the state (deepinfer_fn/structured.py, "Speculative decoding").
 """
 
 from __future__ import annotations

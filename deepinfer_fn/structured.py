@@ -41,6 +41,22 @@ Measured per step (benchmarks/results/structured_mask*.json, V = 129,280, tiny m
 +2.5 ms (host step 0.8 ms: 4 consumes + 4 masks; the rest the device->host->device round trip);
 B=32: +4.3 ms (host 3.4 ms on 16 cores). The engine, which schedules steps from Python anyway, can
 overlap the host step with the forward pass instead (DESIGN.md, "engine").
+
+Speculative decoding (generate(..., constraint=..., speculative="mtp"); spec/dspark.md §2.2, §2.5):
+a verify step carries m_0, the packed mask after the committed tokens. The drafter draws draft j+1
+from its logits masked by m_j (so q, the distribution actually sampled from, is masked and a
+forbidden draft is never proposed), and one `host_draft` io_callback per slot consumes the draft
+tentatively (`ConstrainedBatch.draft_step`) and returns m_{j+1}. The target logits at verified
+position j are masked by m_j (the state after the anchor and x_1..x_j), verification is the usual
+lossless one, and one `host_commit` io_callback (`ConstrainedBatch.commit`) rolls each row's
+matcher back to its accepted drafts (Matcher.rollback) and consumes the correction/bonus token.
+Slots after a drafted EOS (or a draft after which nothing is allowed) are not admitted -- dropping
+slot j+1 because of x_j keeps the law, dropping x_j itself because of its value would not; an
+accepted EOS draft ends the row and the bonus token after it is dropped (`n_keep`). A drafter
+that drafts without masks (all k at once) can call `draft_tokens`: a forbidden draft is then
+verified and rejected by the masked target. Host time per verify step, k = 3, V = 129,280
+(benchmarks/structured_mask.py --spec-only; 2 loaded CPU cores): B = 1: 0.4-1.5 ms, B = 32:
+10-29 ms depending on the grammar (k masks + 1 rollback-and-mask per row).
 """
 
 from __future__ import annotations
