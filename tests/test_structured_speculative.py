@@ -169,6 +169,40 @@ def test_draft_masks_and_rollback_equal_fresh_matchers(tok):
     assert all(v > 0 for v in seen.values()), seen
 
 
+def test_draft_tokens_for_a_parallel_drafter(tok):
+    """`draft_tokens` (all k drafts at once, q unmasked): the masks m_0..m_k of a row that
+    drafts an answer and EOS are the fresh matcher's up to EOS, the slots after EOS are not
+    admitted, and an accepted EOS drops the bonus; a forbidden first draft is not consumed (the
+    masked target rejects it) and the row drafts nothing after it; free rows are all-ones."""
+    V = tok.vocab_size + EXTRA_IDS
+    c = Regex(r"(yes|no|maybe)")
+    seq = tok.encode("yes") + [tok.eos_id]
+    k = len(seq) + 1
+    bad = tok.encode("x")[0]
+    drafts = np.asarray([seq + [5], [bad] + tok.encode("no") + [0] * (k - 1 - len(tok.encode("no"))),
+                         [7] * k], np.int32)
+    batch = ConstrainedBatch.build([c, c, None], 3, tok, V)
+    m0, _ = batch.initial()
+    masks, admit = batch.draft_tokens(drafts, np.ones(3, bool))
+    assert masks.shape == (3, k + 1, structured.mask_words(V))
+    assert admit.tolist() == [len(seq), k, k]
+    for j in range(len(seq)):
+        np.testing.assert_array_equal(masks[0, j], _fresh_mask(c, tok, V, seq[:j])[0])
+    np.testing.assert_array_equal(masks[1, 0], m0[1])
+    assert np.all(masks[1, 1:] == 0xFFFFFFFF) and np.all(masks[2] == 0xFFFFFFFF)
+    assert np.all(masks[0, len(seq):] == 0xFFFFFFFF)
+    first_no = tok.encode("no")[0]
+    tokens = np.zeros((3, k + 1), np.int32)
+    tokens[0, :len(seq) + 1] = seq + [9]          # all admitted drafts accepted, then a bonus
+    tokens[1, 0] = first_no                       # the forbidden draft rejected: a correction
+    tokens[2, :2] = [7, 3]
+    g = np.asarray([len(seq), 0, 1])
+    nxt, finished, n_keep = batch.commit(tokens, g, g + 1, np.ones(3, bool))
+    assert n_keep.tolist() == [len(seq), 1, 2] and finished.tolist() == [True, False, False]
+    assert batch.matchers[0].status() == "complete"
+    np.testing.assert_array_equal(nxt[1], _fresh_mask(c, tok, V, [first_no])[0])
+
+
 # ---- generation on the random-weights model ---------------------------------------------------
 
 @pytest.fixture(scope="module")
