@@ -461,7 +461,8 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
         return (loop[0] < n) & ~jnp.all(loop[9])
 
     def body(loop):
-        i, state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done, step, acc_h, ver_h = loop[:13]
+        (i, state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done, step, acc_h,
+         ver_h) = loop[:13]
         active = ~done
         ell = jnp.where(active, jnp.clip(n - count - 1, 0, k), 0)
         anchor = jnp.take_along_axis(pend_ids, jnp.maximum(pend_n - 1, 0)[:, None], 1)[:, 0]

@@ -28,7 +28,8 @@ lark = pytest.importorskip("lark")
 
 import deepinfer_fn as di  # noqa: E402
 from deepinfer_fn import structured  # noqa: E402
-from deepinfer_fn.structured import ConstrainedBatch, Grammar, JsonSchema, Matcher, Regex  # noqa: E402
+from deepinfer_fn.structured import (ConstrainedBatch, Grammar, JsonSchema, Matcher,  # noqa: E402
+                                     Regex)
 from test_speculative import two_sample_p  # noqa: E402
 from test_structured import (ARITHMETIC, B, EXTRA_IDS, N, SCHEMAS, SEEDS,  # noqa: E402,F401
                              _close_expression, _texts, default_model, model, prompts, tok)
@@ -179,8 +180,8 @@ def test_draft_tokens_for_a_parallel_drafter(tok):
     seq = tok.encode("yes") + [tok.eos_id]
     k = len(seq) + 1
     bad = tok.encode("x")[0]
-    drafts = np.asarray([seq + [5], [bad] + tok.encode("no") + [0] * (k - 1 - len(tok.encode("no"))),
-                         [7] * k], np.int32)
+    no = tok.encode("no")
+    drafts = np.asarray([seq + [5], [bad] + no + [0] * (k - 1 - len(no)), [7] * k], np.int32)
     batch = ConstrainedBatch.build([c, c, None], 3, tok, V)
     m0, _ = batch.initial()
     masks, admit = batch.draft_tokens(drafts, np.ones(3, bool))
