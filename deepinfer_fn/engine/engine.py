@@ -363,6 +363,20 @@ class Engine:
             idle_total_s=idle[0], idle_mean_s=idle[0] / idle[1] if idle[1] else float("nan"),
             idle_steps_measured=idle[1])
 
+    def warmup(self) -> float:
+        """Compiles every sub-step shape (prefill and decode buckets) with all-padding rows,
+        which change nothing; returns the seconds it took."""
+        t0 = time.perf_counter()
+        for sizes, width in ((self.prefill_buckets, self.chunk), (self.decode_buckets, None)):
+            for n in sizes:
+                meta, fp, bt, toks = self.scheduler.pack([], n, width)
+                self.state, tok, _ = substep(self.params, self.state, jnp.asarray(meta),
+                                             jnp.asarray(fp), jnp.asarray(bt),
+                                             None if toks is None else jnp.asarray(toks))
+                self._shapes_seen.add((n, width))
+        jax.block_until_ready(self.state)
+        return time.perf_counter() - t0
+
     def reset_cache(self) -> None:
         """Drops every cached prefix block no running request holds."""
         if self.cache is not None:
