@@ -87,7 +87,8 @@ class RunMetrics:
 
 
 class _IdleWatcher:
-    """Records when each dispatched step's outputs become ready (a background thread)."""
+    """Records when each dispatched step's outputs become ready (a background thread), next to
+    when the step's first device call was issued."""
 
     def __init__(self):
         self.q: queue.Queue = queue.Queue()
@@ -281,8 +282,10 @@ class Engine:
             self.scheduler.cancel(ids)
 
     def _dispatch(self, plan: StepPlan, watcher):
+        """Packs both sub-batches, then issues them back to back (no host work between the
+        two device calls)."""
         sched = self.scheduler
-        outs, compiled = [], False
+        calls, compiled = [], False
         for rows, width, sizes in ((plan.prefill, self.chunk, self.prefill_buckets),
                                    (plan.decode, None, self.decode_buckets)):
             if not rows:
@@ -291,13 +294,16 @@ class Engine:
             compiled |= (n, width) not in self._shapes_seen
             self._shapes_seen.add((n, width))
             meta, fp, bt, toks = sched.pack(rows, n, width)
-            self.state, tok, lp = substep(self.params, self.state, jnp.asarray(meta),
-                                          jnp.asarray(fp), jnp.asarray(bt),
-                                          None if toks is None else jnp.asarray(toks))
+            calls.append((rows, jnp.asarray(meta), jnp.asarray(fp), jnp.asarray(bt),
+                          None if toks is None else jnp.asarray(toks)))
+        outs, t_issue = [], None
+        for rows, meta, fp, bt, toks in calls:
+            self.state, tok, lp = substep(self.params, self.state, meta, fp, bt, toks)
+            t_issue = t_issue or time.perf_counter()
             outs.append((rows, tok, lp))
         sched.commit_plan(plan)
         if watcher is not None:
-            watcher.q.put(([o[1] for o in outs], time.perf_counter(), compiled))
+            watcher.q.put(([o[1] for o in outs], t_issue, compiled))
         return outs
 
     def _collect(self, outs, emitted, bar):

@@ -13,6 +13,7 @@ reference) are dropped first.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 
 from deepinfer_fn.engine.pages import PageAllocator
@@ -71,19 +72,22 @@ class RadixCache:
         return added
 
     def evict(self, n_pages: int) -> int:
-        """Frees up to n_pages pages by dropping LRU leaves no request holds; returns how many."""
+        """Frees up to n_pages pages by dropping LRU leaves no request holds (a parent whose
+        last child goes becomes a candidate in turn); returns how many were freed."""
+        def evictable(nd):
+            return not nd.children and self.pages.refcount(nd.page) == 1
+        heap = [(nd.last_use, id(nd), nd) for nd in self._iter_nodes() if evictable(nd)]
+        heapq.heapify(heap)
         freed = 0
-        while freed < n_pages:
-            leaves = [nd for nd in self._iter_nodes()
-                      if not nd.children and self.pages.refcount(nd.page) == 1]
-            if not leaves:
-                break
-            leaves.sort(key=lambda nd: nd.last_use)
-            for nd in leaves[: n_pages - freed]:
-                del nd.parent.children[nd.block]
-                self.pages.release(nd.page)
-                self.num_nodes -= 1
-                freed += 1
+        while freed < n_pages and heap:
+            _, _, nd = heapq.heappop(heap)
+            parent = nd.parent
+            del parent.children[nd.block]
+            self.pages.release(nd.page)
+            self.num_nodes -= 1
+            freed += 1
+            if parent is not self.root and evictable(parent):
+                heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return freed
 
     def _iter_nodes(self):
