@@ -92,8 +92,8 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--budget", type=int, default=4096, help="max_tokens_per_step")
-    ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--prefill-buckets", default="2,8")
+    ap.add_argument("--prefill-shapes", default="16x256,8x512",
+                    help="rows x width prefill sub-batch shapes")
     ap.add_argument("--decode-buckets", default="16,64")
     ap.add_argument("--replay", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
@@ -103,8 +103,8 @@ def main():
     if args.quick:
         args.requests, args.systems, args.system_len = min(args.requests, 24), 2, 256
         args.suffix_min, args.suffix_max, args.new = 8, 40, 8
-        args.max_batch, args.budget, args.chunk = 8, 256, 64
-        args.prefill_buckets, args.decode_buckets = "4", "8"
+        args.max_batch, args.budget = 8, 256
+        args.prefill_shapes, args.decode_buckets = "8x32,4x64", "8"
         params = di.load_params(di.default_model_path())
     else:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -113,16 +113,15 @@ def main():
     cfg = params.config
     reqs = workload(args, cfg.vocab_size)
     max_len = args.system_len + args.suffix_max + args.new
-    buckets = (tuple(int(x) for x in args.prefill_buckets.split(",")),
+    buckets = (tuple(tuple(int(v) for v in x.split("x")) for x in args.prefill_shapes.split(",")),
                tuple(int(x) for x in args.decode_buckets.split(",")))
     common = dict(max_batch=args.max_batch, max_tokens_per_step=args.budget,
-                  prefill_chunk=args.chunk, prefill_rows=buckets[0][-1], max_len=max_len,
-                  batch_buckets=buckets, replay_tokens=args.replay, progress=False,
-                  measure_idle=True)
+                  prefill_shapes=buckets[0], decode_buckets=buckets[1], max_len=max_len,
+                  replay_tokens=args.replay, progress=False, measure_idle=True)
     print(f"{jax.devices()[0].device_kind}: {cfg.num_hidden_layers} layers, {len(reqs)} requests, "
           f"{args.systems} system prompts x {args.system_len} tokens + {args.suffix_min}-"
           f"{args.suffix_max}, {args.new} new tokens; max_batch {args.max_batch}, budget "
-          f"{args.budget}, chunk {args.chunk}, buckets {buckets}", flush=True)
+          f"{args.budget}, prefill shapes {buckets[0]}, decode buckets {buckets[1]}", flush=True)
     engine = Engine(params, prefix_cache=True, **common)
     compile_s = engine.warmup()
     print(f"warmup (compile {len(buckets[0]) + len(buckets[1])} sub-step shapes): {compile_s:.1f} s",

@@ -127,19 +127,21 @@ class Engine:
     (a multiple of every compression ratio; default their lcm); max_len: context limit per
     request (rounded up to pages; default min(4096, max_position_embeddings)); num_pages: pool
     size (default: enough for max_batch full-length requests, i.e. no preemption);
-    prefill_chunk: width of prefill rows (default min(256, max_tokens_per_step));
-    prefill_rows: prefill rows per step (default max_tokens_per_step // prefill_chunk, >= 1);
+    prefill_chunk: the widest prefill row (default min(256, max_tokens_per_step));
+    prefill_shapes: the (rows, width) prefill sub-batch shapes to compile; each step uses the
+    one that moves the most prompt tokens under the budget (default: (1, chunk) and, for
+    widths chunk and chunk // 4, (budget // width rows, width)); decode_buckets: decode row
+    counts to compile (default powers of two up to max_batch). Every shape is one compiled
+    sub-step (`warmup()` compiles them all up front).
     prefix_cache, replay_tokens (None = exact mode): module docstring; async_scheduling: on by
-    default; batch_buckets: (prefill row sizes, decode row sizes) to compile (default powers of
-    two); progress: a tqdm bar; measure_idle: record device idle time between steps.
+    default; progress: a tqdm bar; measure_idle: record device idle time between steps.
     """
 
     def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
                  page_size: int | None = None, max_len: int | None = None,
                  num_pages: int | None = None, prefill_chunk: int | None = None,
-                 prefill_rows: int | None = None, prefix_cache: bool = True,
+                 prefill_shapes=None, decode_buckets=None, prefix_cache: bool = True,
                  replay_tokens: int | None = 128, async_scheduling: bool = True,
-                 batch_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                  window_slots: int | None = None, progress: bool = True,
                  measure_idle: bool = False):
         if not isinstance(params, Params):
@@ -158,26 +160,33 @@ class Engine:
         max_pages = -(-max_len // page_size)
         num_pages = num_pages or max_batch * max_pages + 1
         chunk = min(prefill_chunk or 256, max_tokens_per_step)
-        prefill_rows = min(max_batch, prefill_rows or max(1, max_tokens_per_step // chunk))
+        if prefill_shapes is None:
+            widths = sorted({chunk, max(16, chunk // 4)})
+            prefill_shapes = {(1, chunk)} | {(min(max_batch, max(1, max_tokens_per_step // w)), w)
+                                             for w in widths}
+        prefill_shapes = tuple(sorted((int(r), int(w)) for r, w in prefill_shapes))
+        if not prefill_shapes or any(r < 1 or w < 1 or r > max_batch for r, w in prefill_shapes):
+            raise ValueError(f"prefill_shapes {prefill_shapes}: (rows, width) pairs with "
+                             f"1 <= rows <= max_batch={max_batch}")
+        decode_buckets = tuple(sorted(decode_buckets or
+                                      buckets_up_to(min(max_batch, max_tokens_per_step))))
+        if decode_buckets[-1] < min(max_batch, max_tokens_per_step):
+            raise ValueError(f"decode_buckets {decode_buckets} must reach "
+                             f"min(max_batch, max_tokens_per_step)")
         if replay_tokens is not None and replay_tokens < cfg.csa_ratio:
             raise ValueError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
                              f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
         self.max_batch, self.page_size, self.max_len = max_batch, page_size, max_pages * page_size
-        self.chunk, self.async_scheduling, self.progress = chunk, async_scheduling, progress
+        self.async_scheduling, self.progress = async_scheduling, progress
         self.measure_idle = measure_idle
         self.replay_tokens, self.use_cache = replay_tokens, prefix_cache
-        if batch_buckets is None:
-            batch_buckets = (buckets_up_to(prefill_rows), buckets_up_to(min(max_batch, max_tokens_per_step)))
-        self.prefill_buckets, self.decode_buckets = (tuple(sorted(b)) for b in batch_buckets)
-        if self.prefill_buckets[-1] < prefill_rows or self.decode_buckets[-1] < min(max_batch, max_tokens_per_step):
-            raise ValueError(f"batch_buckets {batch_buckets} must reach prefill_rows={prefill_rows} "
-                             f"and min(max_batch, max_tokens_per_step)")
+        self.prefill_shapes, self.decode_buckets = prefill_shapes, decode_buckets
         self.pages = PageAllocator(num_pages)
         self.cache = RadixCache(page_size, self.pages) if prefix_cache else None
         self.scheduler = Scheduler(max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
-                                   chunk=chunk, page_size=page_size, max_pages=max_pages,
-                                   pages=self.pages, cache=self.cache,
-                                   replay_tokens=replay_tokens, prefill_rows=prefill_rows)
+                                   prefill_shapes=prefill_shapes, page_size=page_size,
+                                   max_pages=max_pages, pages=self.pages, cache=self.cache,
+                                   replay_tokens=replay_tokens)
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
@@ -286,11 +295,11 @@ class Engine:
         two device calls)."""
         sched = self.scheduler
         calls, compiled = [], False
-        for rows, width, sizes in ((plan.prefill, self.chunk, self.prefill_buckets),
-                                   (plan.decode, None, self.decode_buckets)):
+        for rows, (n, width) in ((plan.prefill, plan.prefill_shape),
+                                 (plan.decode, (bucket(len(plan.decode), self.decode_buckets)
+                                                if plan.decode else 0, None))):
             if not rows:
                 continue
-            n = bucket(len(rows), sizes)
             compiled |= (n, width) not in self._shapes_seen
             self._shapes_seen.add((n, width))
             meta, fp, bt, toks = sched.pack(rows, n, width)
@@ -373,13 +382,12 @@ class Engine:
         """Compiles every sub-step shape (prefill and decode buckets) with all-padding rows,
         which change nothing; returns the seconds it took."""
         t0 = time.perf_counter()
-        for sizes, width in ((self.prefill_buckets, self.chunk), (self.decode_buckets, None)):
-            for n in sizes:
-                meta, fp, bt, toks = self.scheduler.pack([], n, width)
-                self.state, tok, _ = substep(self.params, self.state, jnp.asarray(meta),
-                                             jnp.asarray(fp), jnp.asarray(bt),
-                                             None if toks is None else jnp.asarray(toks))
-                self._shapes_seen.add((n, width))
+        for n, width in self.prefill_shapes + tuple((n, None) for n in self.decode_buckets):
+            meta, fp, bt, toks = self.scheduler.pack([], n, width)
+            self.state, tok, _ = substep(self.params, self.state, jnp.asarray(meta),
+                                         jnp.asarray(fp), jnp.asarray(bt),
+                                         None if toks is None else jnp.asarray(toks))
+            self._shapes_seen.add((n, width))
         jax.block_until_ready(self.state)
         return time.perf_counter() - t0
 

@@ -85,6 +85,7 @@ class Row:
 class StepPlan:
     prefill: list[Row]
     decode: list[Row]
+    prefill_shape: tuple[int, int] = (0, 0)     # (rows, width) of the prefill sub-batch
 
     def __bool__(self):
         return bool(self.prefill or self.decode)
@@ -106,14 +107,15 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch: int, max_tokens_per_step: int, chunk: int,
-                 page_size: int, max_pages: int, pages: PageAllocator,
-                 cache: RadixCache | None, replay_tokens: int | None,
-                 prefill_rows: int):
-        self.max_batch, self.budget, self.chunk = max_batch, max_tokens_per_step, chunk
+    def __init__(self, *, max_batch: int, max_tokens_per_step: int,
+                 prefill_shapes: tuple[tuple[int, int], ...], page_size: int, max_pages: int,
+                 pages: PageAllocator, cache: RadixCache | None, replay_tokens: int | None):
+        self.max_batch, self.budget = max_batch, max_tokens_per_step
+        self.prefill_shapes = tuple(prefill_shapes)
+        self.chunk = max(w for _, w in prefill_shapes)
+        self.prefill_rows = max(r for r, _ in prefill_shapes)
         self.page_size, self.max_pages = page_size, max_pages
         self.pages, self.cache, self.replay = pages, cache, replay_tokens
-        self.prefill_rows = prefill_rows
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []          # admission order
         self.free_slots = list(range(max_batch - 1, -1, -1))
@@ -246,16 +248,32 @@ class Scheduler:
             if not self._admit(self.waiting[0]):
                 break
             self.waiting.popleft()
-        for seq in list(self.running):
-            if budget <= 0 or len(plan.prefill) >= self.prefill_rows:
-                break
-            if seq not in self.running or not seq.prefilling or seq.finish is not None:
+        cands = [s for s in self.running if s.prefilling and s.finish is None]
+        shape, picked = self._prefill_shape(cands, budget)
+        for seq, n in picked:
+            if seq not in self.running:              # preempted by an earlier row's allocation
                 continue
-            n = min(self.chunk, len(seq.ext) - seq.pos, budget)
             if self._allocate(seq, seq.pos + n, plan, may_preempt=True):
                 plan.prefill.append(Row(seq, seq.epoch, seq.pos, n, seq.pos + n == len(seq.ext)))
-                budget -= n
+        plan.prefill_shape = shape
         return plan
+
+    def _prefill_shape(self, cands: list[Seq], budget: int):
+        """The prefill shape (rows, width) that moves the most prompt tokens this step (ties:
+        the smaller padded shape), and its rows [(seq, n)] (oldest first, n <= width)."""
+        best = None
+        for rows, width in self.prefill_shapes:
+            left, picked = budget, []
+            for seq in cands[:rows]:
+                n = min(width, len(seq.ext) - seq.pos, left)
+                if n <= 0:
+                    break
+                picked.append((seq, n))
+                left -= n
+            key = (budget - left, -rows * width)
+            if best is None or key > best[0]:
+                best = (key, (rows, width), picked)
+        return best[1], best[2]
 
     def commit_plan(self, plan: StepPlan) -> None:
         """The plan was dispatched: advance positions, count in-flight samples, and cache the
