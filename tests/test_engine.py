@@ -55,13 +55,14 @@ def prompts_shared():
     return tuple(tuple(system + rng.integers(2, 4096, k).tolist()) for k in (5, 12, 30, 9))
 
 
-def reference(prompts, temperature=0.0, seed=0):
-    return _reference(tuple(map(tuple, prompts)), tuple(np.broadcast_to(temperature, len(prompts)).tolist()),
-                      tuple(np.broadcast_to(seed, len(prompts)).tolist()))
+def reference(prompts, temperature=0.0, seed=0, top_k=0, top_p=1.0):
+    per_row = lambda v: tuple(np.broadcast_to(v, len(prompts)).tolist())
+    return _reference(tuple(map(tuple, prompts)), per_row(temperature), per_row(seed),
+                      per_row(top_k), per_row(top_p))
 
 
 @functools.cache
-def _reference(prompts, temperature, seed):
+def _reference(prompts, temperature, seed, top_k, top_p):
     """generate() on the prompts padded to one shape ([6, 256], extra rows repeat the first
     prompt), so every prompt set shares one compiled prefill and decode loop."""
     B = len(prompts)
@@ -72,7 +73,8 @@ def _reference(prompts, temperature, seed):
         toks[i, :len(p)] = p
     pad = lambda v: np.array(list(v) + [v[0]] * (6 - B))
     out = di.generate(params(), toks, lengths=lens, max_new_tokens=N_NEW,
-                      temperature=pad(temperature), seed=pad(seed))
+                      temperature=pad(temperature), seed=pad(seed), top_k=pad(top_k),
+                      top_p=pad(top_p))
     return [row.tolist() for row in np.asarray(out.tokens)[:B]]
 
 
@@ -101,13 +103,15 @@ def test_greedy_equals_generate_with_preemption(async_scheduling, order_seed, bu
 
 
 def test_sampled_requests_equal_generate_with_same_seed():
-    """Per-request temperature / seed: counter-based keys make engine draws equal generate()'s
+    """Per-request temperature / top-k / top-p / seed: counter-based keys make engine draws equal generate()'s
     (mixed greedy and sampled rows), and the stream's pieces add up to the outputs."""
     prompts = prompts_long()
     temps, seeds = [0.0, 1.0, 0.8, 1.0, 0.0, 1.3], [0, 7, 11, 7, 3, 99]
-    want = reference(prompts, temps, seeds)
-    reqs = [Request(list(p), max_new_tokens=N_NEW, temperature=t, seed=s, request_id=f"r{i}")
-            for i, (p, t, s) in enumerate(zip(prompts, temps, seeds))]
+    top_k, top_p = [0, 0, 20, 0, 0, 50], [1.0, 1.0, 1.0, 0.9, 1.0, 0.8]
+    want = reference(prompts, temps, seeds, top_k, top_p)
+    reqs = [Request(list(p), max_new_tokens=N_NEW, temperature=t, seed=s, top_k=k, top_p=q,
+                    request_id=f"r{i}")
+            for i, (p, t, s, k, q) in enumerate(zip(prompts, temps, seeds, top_k, top_p))]
     eng = engine(max_tokens_per_step=70)
     pieces, finals = {}, {}
     for ev in eng.stream(reversed(reqs)):
@@ -241,3 +245,84 @@ def test_radix_cache_and_pages():
     assert cache.evict(10) == 2          # [5, 6] and [7, 7] go; [3, 4] is held, so [1, 2] too
     assert cache.match([1, 2, 3, 4, 5, 6]) == a[:2]
     assert pages.allocate(pages.free_count + 1) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scheduler_simulation_invariants(seed):
+    """Host-only simulation of the scheduler (no device) under random configs, pool sizes,
+    prefix sharing and async lag, with tokens a fixed function of (request, position): every
+    step respects the token budget, the chosen prefill shape and page coverage, slots and
+    private pages are never shared, and every request ends with exactly its own tokens after
+    any number of preemptions; at the end every page is free or held by the cache."""
+    from deepinfer_fn.engine.scheduler import Scheduler, Seq
+    rng = np.random.default_rng(seed)
+    ps = 16
+    max_batch = int(rng.integers(1, 6))
+    budget = int(rng.integers(8, 80))
+    shapes = tuple({(int(rng.integers(1, max_batch + 1)), int(rng.choice([8, 16, 32])))
+                    for _ in range(2)})
+    use_cache = bool(rng.integers(2))
+    lag = bool(rng.integers(2))
+    systems = [rng.integers(2, 50, int(rng.integers(10, 60))).tolist() for _ in range(2)]
+    reqs = []
+    for i in range(12):
+        prompt = systems[i % 2] + rng.integers(2, 50, int(rng.integers(1, 30))).tolist()
+        reqs.append(Request(prompt, max_new_tokens=int(rng.integers(1, 20)), request_id=i,
+                            stop_tokens=[7] if i % 3 == 0 else []))
+    longest = max(len(r.tokens) + r.max_new_tokens for r in reqs)
+    num_pages = 1 + -(-longest // ps) + int(rng.integers(0, 8))
+    pages = PageAllocator(num_pages)
+    cache = RadixCache(ps, pages) if use_cache else None
+    sched = Scheduler(max_batch=max_batch, max_tokens_per_step=budget, prefill_shapes=shapes,
+                      page_size=ps, max_pages=-(-longest // ps), pages=pages, cache=cache,
+                      replay_tokens=int(rng.choice([4, 16, 40])) if rng.integers(2) else None)
+
+    def token(i, pos):          # the "model": a fixed token per (request, position)
+        return int((i * 7919 + pos * 104729) % 50)
+
+    def expected(r):
+        out = []
+        for p in range(len(r.tokens), len(r.tokens) + r.max_new_tokens):
+            out.append(token(r.request_id, p))
+            if out[-1] in r.stop_tokens:
+                break
+        return out
+
+    for i, r in enumerate(reqs):
+        sched.add(Seq(r, i, list(r.tokens), frozenset(r.stop_tokens), 0.0))
+    pending, steps = None, 0
+    while sched.has_work() or pending:
+        plan = sched.schedule()
+        steps += 1
+        assert steps < 5000, "no progress"
+        rows = plan.prefill + plan.decode
+        assert sum(r.n for r in rows) <= budget
+        if plan.prefill:
+            assert plan.prefill_shape in shapes and len(plan.prefill) <= plan.prefill_shape[0]
+            assert max(r.n for r in plan.prefill) <= plan.prefill_shape[1]
+        assert len({id(r.seq) for r in rows}) == len(rows)
+        slots = [s.slot for s in sched.running]
+        assert len(set(slots)) == len(slots)
+        private = [p for s in sched.running for p in s.pages[s.row_floor // ps:]]
+        assert len(set(private)) == len(private)
+        for r in rows:
+            assert len(r.seq.pages) * ps >= r.start + r.n and r.start == r.seq.pos
+        for r in plan.prefill:
+            known = r.seq.prompt + r.seq.generated
+            assert r.start + r.n <= len(known)
+            assert r.seq.ext[r.start:r.start + r.n] == known[r.start:r.start + r.n]
+        sched.commit_plan(plan)
+        outs = [r for r in rows if r.samples]
+        toks = np.array([token(r.seq.req.request_id, r.start + r.n) for r in outs])
+        if lag:
+            if pending is not None:
+                sched.commit_results(*pending, 0.0)
+            pending = (outs, toks, np.zeros(len(outs))) if plan else None
+        else:
+            sched.commit_results(outs, toks, np.zeros(len(outs)), 0.0)
+    done = {s.req.request_id: s for s in sched.finished}
+    assert len(done) == len(reqs)
+    for r in reqs:
+        assert done[r.request_id].generated == expected(r), r.request_id
+    held = cache.num_nodes if cache else 0
+    assert pages.free_count + held == pages.capacity
