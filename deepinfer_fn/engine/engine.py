@@ -7,12 +7,16 @@ with SWA bounded replay, asynchronous scheduling, metrics, progress.
 
 Each step: the host `Scheduler` picks decode rows and chunked-prefill rows under
 `max_tokens_per_step`, allocates pages (evicting cache leaves, preempting by recompute when the
-pool is full); the device runs one `step.substep` per sub-batch (prefill [Pb, chunk], decode
-[Db, 1]) with the state donated. Asynchronous scheduling (default): step s is dispatched, then
-the host reads step s-1's tokens and prepares step s+1 while the device runs step s; decode
-inputs stay on the device (`PagedState.last_token`), so only stop detection lags by one step
-(an extra token of a finished row is discarded). `async_scheduling=False` waits for every step
-before preparing the next. Both modes give the same tokens.
+pool is full); the device runs one `step.substep` per sub-batch (prefill [rows, width] from a
+few compiled shapes, decode [Db, 1] from a few bucket sizes) with the state donated.
+
+Asynchronous scheduling (default): step s is dispatched, then the host reads step s-1's tokens
+and prepares step s+1 while the device runs step s; decode inputs stay on the device
+(`PagedState.last_token`), so only stop detection lags by one step (the extra token of a
+finished row is discarded). `async_scheduling=False` waits for every step before preparing the
+next. The two modes give the same tokens whenever a row's result does not depend on its batch
+neighbours (tested in f32 on CPU; the one-step lag changes batch compositions, so bf16 on a GPU
+is only guaranteed identical under batch-invariant numerics).
 
 Prefix cache (`prefix_cache=True`): full prompt blocks are inserted into a radix tree as soon as
 the step that completes them is dispatched; an admitted request sharing a cached prefix of h
@@ -21,6 +25,16 @@ replaying the `replay_tokens` (R, default 128) tokens before h with the shared r
 (spec/model.md §7, "bounded replay"; approximate: replayed positions see a truncated window).
 `replay_tokens=None` is the exact mode: the replay starts at position 0 (identical tokens to no
 cache; only the row pool is shared, no prefill saved).
+
+Design notes / deviations from the suggested design:
+* Exact mode recomputes from position 0 instead of restoring a stored window snapshot at the
+  page boundary: no extra per-block storage (the ~45 KB/token the architecture avoids, §7).
+* Rows written after a bounded-replay hit (and cached in turn) inherit its approximation (the
+  "leak" of spec/model-v41.md §4.3); a preempted request resumes through the cache too, so with
+  the cache on and sequences longer than R its continuation is approximate. Use
+  `replay_tokens=None` or `prefix_cache=False` for exactness.
+* A step is two device calls (prefill, decode), not one fused program: compiled shapes grow as
+  (#prefill shapes + #decode buckets) rather than their product; both are issued back to back.
 """
 
 from __future__ import annotations
