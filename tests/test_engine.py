@@ -17,7 +17,7 @@ import deepinfer_fn as di
 from deepinfer_fn.engine import Engine, Request
 from deepinfer_fn.engine.pages import PageAllocator
 from deepinfer_fn.engine.radix import RadixCache
-from deepinfer_fn.engine.replay import replay_divergence
+from deepinfer_fn.engine.replay import replay_divergence, replay_logits
 
 N_NEW = 10
 SHAPES = dict(max_batch=4, page_size=16, max_len=320, num_pages=24,
@@ -151,6 +151,26 @@ def test_prefix_cache_exact_and_bounded_replay():
     got = [o.tokens for o in eng.generate(prompts[:1], max_new_tokens=N_NEW)
            + eng.generate(prompts[1:], max_new_tokens=N_NEW)]
     assert got == want
+
+
+def test_engine_bounded_replay_follows_the_recipe():
+    """The engine's bounded replay is the documented recipe: its per-token logprobs on a prefix
+    hit (R = 32, hit 192) equal `replay_logits` (cached rows + replay of the R tokens before the
+    hit, teacher-forced on the engine's own tokens) and differ from an exact prefill."""
+    import jax
+    prompts = [list(p) for p in prompts_shared()]
+    eng = engine(max_tokens_per_step=70, replay_tokens=32)
+    eng.generate(prompts[:1], max_new_tokens=N_NEW)
+    out = eng.generate(prompts[1:2], max_new_tokens=N_NEW)[0]
+    assert out.metrics.cached_tokens == 192 and out.metrics.replayed_tokens == 32
+    seq = prompts[1] + out.tokens
+    positions = slice(len(prompts[1]) - 192 - 1, len(seq) - 192 - 1)  # rows predicting out.tokens
+    for replay, close in ((32, True), (None, False)):
+        logits = replay_logits(params(), seq, 192, replay)[positions]
+        logp = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(N_NEW), out.tokens]
+        err = np.abs(logp - np.array(out.logprobs)).max()
+        print(f"\nENGINE vs recipe replay={replay}: max |dlogprob| {err:.2e}")
+        assert (err < 1e-3) == close
 
 
 def test_bounded_replay_divergence_bound():

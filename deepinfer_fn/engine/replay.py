@@ -42,6 +42,31 @@ def _run(params, state, tokens, start, floor, chunk):
     return np.concatenate(logits, 0), state
 
 
+def replay_logits(params, tokens, hit: int, replay: int | None, *, chunk: int = 64,
+                  max_len: int | None = None) -> np.ndarray:
+    """float32 [len(tokens) - hit, V]: the logits at positions hit .. end-1 when the state at
+    `hit` is rebuilt the engine's way: cached rows of the prefix + replay of tokens
+    hit-R .. hit-1 (row writes below hit suppressed), then the rest of `tokens` (teacher
+    forced). replay=None: exact (a full prefill from position 0)."""
+    cfg = params.config
+    tokens = list(tokens)
+    if not 0 < hit < len(tokens):
+        raise ValueError(f"hit={hit} must be inside the sequence (length {len(tokens)})")
+    cap = max_len or max(256, 1 << (len(tokens) - 1).bit_length())
+    if replay is None:
+        exact, _ = _run(params, init_state(cfg, 1, cap, dtype=params.dtype), tokens, 0, 0, chunk)
+        return exact[hit:]
+    # The cached rows: a prefill of the prefix alone (what the request that cached it wrote).
+    _, cached = _run(params, init_state(cfg, 1, cap, dtype=params.dtype), tokens[:hit], 0, 0, chunk)
+    start = max(0, hit - replay)
+    fresh = init_state(cfg, 1, cap, dtype=params.dtype)
+    layers = tuple({k: (cached.layers[i][k] if k in ("rows", "index_rows") else v)
+                    for k, v in layer.items()} for i, layer in enumerate(fresh.layers))
+    state = DecodeState(layers, jnp.full((1,), start, jnp.int32), fresh.max_len, fresh.window_slots)
+    approx, _ = _run(params, state, tokens, start, hit, chunk)
+    return approx[hit - start:]
+
+
 def replay_divergence(params, tokens, hit: int, replay: int, *, chunk: int = 64,
                       max_len: int | None = None) -> dict:
     """Logit divergence of bounded replay vs exact prefill for one sequence `tokens`.
@@ -52,24 +77,10 @@ def replay_divergence(params, tokens, hit: int, replay: int, *, chunk: int = 64,
     last_abs (at the last position), per_position max |dlogit| and top1_agreement (fraction of
     positions whose argmax agrees).
     """
-    cfg = params.config
-    tokens = list(tokens)
-    if not 0 < hit < len(tokens):
-        raise ValueError(f"hit={hit} must be inside the sequence (length {len(tokens)})")
-    cap = max_len or max(256, 1 << (len(tokens) - 1).bit_length())
-    exact, _ = _run(params, init_state(cfg, 1, cap, dtype=params.dtype), tokens, 0, 0, chunk)
-    # The cached rows: a prefill of the prefix alone (what the request that cached it wrote).
-    _, cached = _run(params, init_state(cfg, 1, cap, dtype=params.dtype), tokens[:hit], 0, 0, chunk)
-    start = max(0, hit - replay)
-    fresh = init_state(cfg, 1, cap, dtype=params.dtype)
-    layers = tuple({k: (cached.layers[i][k] if k in ("rows", "index_rows") else v)
-                    for k, v in layer.items()} for i, layer in enumerate(fresh.layers))
-    state = DecodeState(layers, jnp.full((1,), start, jnp.int32), fresh.max_len, fresh.window_slots)
-    approx, _ = _run(params, state, tokens, start, hit, chunk)
-    d = np.abs(approx[hit - start:] - exact[hit:])
-    per_pos = d.max(-1)
-    agree = approx[hit - start:].argmax(-1) == exact[hit:].argmax(-1)
+    exact = replay_logits(params, tokens, hit, None, chunk=chunk, max_len=max_len)
+    approx = replay_logits(params, tokens, hit, replay, chunk=chunk, max_len=max_len)
+    per_pos = np.abs(approx - exact).max(-1)
+    agree = approx.argmax(-1) == exact.argmax(-1)
     return dict(hit=hit, replay=replay, max_abs=float(per_pos.max()), first_abs=float(per_pos[0]),
                 last_abs=float(per_pos[-1]), per_position=per_pos.tolist(),
-                top1_agreement=float(agree.mean()),
-                logit_scale=float(np.abs(exact[hit:]).max()))
+                top1_agreement=float(agree.mean()), logit_scale=float(np.abs(exact).max()))
