@@ -54,7 +54,7 @@ from deepinfer_fn.config import CSA, HCA
 from deepinfer_fn.engine.pages import PageAllocator
 from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state
 from deepinfer_fn.engine.radix import RadixCache
-from deepinfer_fn.engine.request import (Request, RequestMetrics, RequestOutput, as_request,
+from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
 from deepinfer_fn.engine.scheduler import Scheduler, Seq, StepPlan, bucket, buckets_up_to
 from deepinfer_fn.engine.step import substep
@@ -163,7 +163,8 @@ class Engine:
         cfg = params.config
         self.params, self.cfg = params, cfg
         ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
-        page_size = page_size or math.lcm(*ratios) if ratios else (page_size or 16)
+        if page_size is None:
+            page_size = math.lcm(*ratios) if ratios else 16
         check_page_size(cfg, page_size)
         for name, v in (("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 
 import numpy as np
 
