@@ -64,13 +64,15 @@ def head_logits(hc_head, norm, head, streams, cfg: ModelConfig):
                       precision=jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None)
 
 
-def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False):
+def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, row_floor=None):
     """Processes a chunk against a decode state (prefill chunk, decode step, or k-token verify).
 
     token_ids [B,S] int32 (entries past n_new[b] are padding); n_new [B] int32 in [0, S].
     Returns (logits, new_state, streams): logits float32 [B,S,V] if all_logits, else the
     logits of each row's last valid token [B,V] (rows with n_new = 0: garbage, state
     unchanged); streams [B,S,n,D] the final residual streams (MTP input).
+    row_floor [B] int32 (optional): compressed rows of windows starting below this position
+    are not rewritten (prefix-cache replay keeps the shared exact rows, spec/model.md §7).
     """
     from deepinfer_fn.model.cached import attention_chunk
     from deepinfer_fn.state import DecodeState
@@ -85,7 +87,7 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False):
     for lp, ls, lt, mt in zip(params["layers"], state.layers, cfg.layer_types, cfg.mlp_layer_types):
         streams, new_ls = sublayer(
             lp["hc_attn"], lp["attn_norm"], streams,
-            lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg), cfg)
+            lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg, row_floor), cfg)
         streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
                               lambda h: (moe_layer(lp["ffn"], h, token_ids, mt, cfg), None), cfg)
         new_layers.append(new_ls)
