@@ -80,6 +80,12 @@ def run(engine: Engine, reqs, label: str) -> dict:
     return res, [o.tokens for o in outs]
 
 
+def _write(args, out: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="CPU: embedded default model, small workload")
@@ -139,6 +145,8 @@ def main():
         eng.async_scheduling = not label.endswith("_sync")
         res, tokens[label] = run(eng, reqs, label)
         results.append(res)
+        _write(args, dict(device=jax.devices()[0].device_kind, compile_s=compile_s,
+                          results=results, partial=True))     # survives a later timeout
     same = {f"{a}=={b}": tokens[a] == tokens[b] for a in tokens for b in tokens if a < b}
     print("identical tokens across runs:", same)
     by = {r["label"]: r for r in results}
@@ -154,9 +162,7 @@ def main():
                jax=jax.__version__, preset="default_model" if args.quick else args.preset,
                args=vars(args), compile_s=compile_s, results=results, summary=summary,
                identical_tokens=same)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    _write(args, out)
     print("wrote", args.out)
 
 
