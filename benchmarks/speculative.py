@@ -195,6 +195,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     ap.add_argument("--out", default=None, help="JSON path (default results/speculative_<dev>.json)")
     ap.add_argument("--only-cost", action="store_true", help="measure and save the profile only")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the other concurrencies already in --out (split runs)")
     args = ap.parse_args(argv)
     # persistent compile cache (a second run on a warm machine skips the compiles)
     jax.config.update("jax_compilation_cache_dir",
@@ -207,7 +209,7 @@ def main(argv=None):
     new_tokens = args.new_tokens or (24 if quick else 384)
     repeats = args.repeats or (1 if quick else 3)
     cost_batches = args.cost_batches or (sorted(set(conc)) if quick else
-                                         sorted(set([1, 256] + conc)))
+                                         sorted(set([256] + conc)))
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
     dev = device_tag()
@@ -248,11 +250,18 @@ def main(argv=None):
                          "time is DeepInfer's convention, 'real_tok_s' counts returned tokens; "
                          "prompts are stdlib sources (the default model's training domain)"))
 
+    kept = []
+    if args.append and os.path.isfile(out_json):
+        with open(out_json) as f:
+            kept = [e for e in json.load(f).get("concurrency", []) if e["n"] not in conc]
+
     def save():
+        result["concurrency"].sort(key=lambda e: e["n"])
         with open(out_json, "w") as f:
             json.dump(result, f, indent=1)
 
     # (b) arms per concurrency
+    result["concurrency"].extend(kept)
     for n in conc:
         prompts = make_prompts(n, prompt_len)
         kw = {arm: arm_kwargs(arm, method, drafter, gamma, None) for arm in arms}

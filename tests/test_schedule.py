@@ -538,3 +538,21 @@ def test_negative_controls_are_detected():
     print(f"\nnegative controls: {ps}")
     assert ps["none"] > 1e-3
     assert ps["reuse"] < 1e-6 and ps["p_correction"] < 1e-6
+
+
+@pytest.mark.heavy
+def test_measure_verify_cost_runs_and_round_trips(tmp_path):
+    """measure_verify_cost on the tiny preset (CPU): a grid of positive, monotone times for
+    every (batch, columns), device metadata, and a profile that loads back identically."""
+    import deepinfer_fn as di
+    params = di.init_params(di.ModelConfig.preset("tiny"), jax.random.key(0), include_mtp=False)
+    cost = sch.measure_verify_cost(params, [2], 1, context=12, repeats=2, warmup=1)
+    assert cost.kind == "grid" and cost.points == (2,) and cost.gamma == 1
+    assert cost.raw.shape == (1, 2) and np.all(cost.raw > 0)
+    assert np.all(np.diff(cost.seconds, axis=1) >= 0)
+    assert cost.meta["platform"] == "cpu" and cost.meta["context"] == 12
+    cost.save(tmp_path / "cost.json")
+    np.testing.assert_array_equal(sch.VerifyCost.load(tmp_path / "cost.json").step_seconds_for(2),
+                                  cost.step_seconds_for(2))
+    with pytest.raises(ValueError, match="context"):
+        sch.measure_verify_cost(params, [1], 1, context=5000)
