@@ -569,3 +569,25 @@ def test_retrospective_scheduler_detected_by_real_verifier():
         print(f"\n{name}: ell histogram {np.bincount(ell, minlength=TG + 1)}, p = {ps[name]:.3g}")
     assert ps["retrospective"] < 1e-6
     assert ps["early stop"] > 1e-3
+
+
+def test_run_with_columns_runs_only_s_columns():
+    """The branch for S sees exactly ids[:, :S]; per-token outputs are padded back to K with
+    zeros; the S-independent part passes through; S = 1 + max active ell."""
+    K = 4
+    ids = jnp.arange(3 * K, dtype=jnp.int32).reshape(3, K) + 1
+
+    def fn(ids_s):
+        per_token = {"x": ids_s * 10, "y": jnp.stack([ids_s, -ids_s], -1)}
+        return per_token, jnp.sum(ids_s, axis=1) + 100 * ids_s.shape[1]
+
+    f = jax.jit(lambda ids, s: sch.run_with_columns(fn, ids, s))
+    for S in range(1, K + 1):
+        (tok, rest) = f(ids, jnp.int32(S))
+        want = np.where(np.arange(K)[None] < S, np.asarray(ids), 0)
+        np.testing.assert_array_equal(tok["x"], want * 10)
+        np.testing.assert_array_equal(tok["y"][..., 1], -want)
+        np.testing.assert_array_equal(rest, want.sum(1) + 100 * S)
+    ell = jnp.asarray([0, 2, 3]), jnp.asarray([True, True, False])
+    assert int(sch.verify_columns(*ell)) == 3
+    assert int(sch.verify_columns(jnp.zeros(3, jnp.int32), jnp.zeros(3, bool))) == 1
