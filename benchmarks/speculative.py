@@ -20,11 +20,22 @@ only: MTP has no confidence head, so no dynamic arm). Steps:
     tokens/s Σ(1+ℓ)/wall time;
 (c) JSON + PNG under benchmarks/results/.
 
-Wall times include the prefill of the prompts (one chunk; small next to the decode loop),
-the same for every arm.
+(d) a CPU cross-check per concurrency (spec §4.3 item 7, `simulate`): synthetic acceptance
+    (the spec's illustration generator) replayed through the schedulers on the measured
+    profile: fixed vs padded dynamic (with / without shrinking the forward to 1 + max(ell)
+    columns) vs the packed-layout scheduler. Labelled as a simulation in the JSON.
 
-    python benchmarks/speculative.py                   # GPU: the full run
-    python benchmarks/speculative.py --quick           # CPU smoke run (tiny sizes)
+Wall times include the prefill of the prompts (one chunk; small next to the decode loop),
+the same for every arm. The padded verify layout only saves compute when generate runs the
+forward on 1 + max(ell) columns (`schedule.run_with_columns`); the JSON records whether the
+tree's generate does (`dynamic_shrinks_columns`).
+
+    python benchmarks/speculative.py                      # GPU: profile + N = 16, 60
+    python benchmarks/speculative.py --only-cost          # split runs: the profile first,
+    python benchmarks/speculative.py --cost-file benchmarks/results/verify_cost_h200.json \
+        --concurrency 16 [--append]                       # then one concurrency per call
+    python benchmarks/speculative.py --simulate-only --cost-file F --concurrency 16 60 200
+    python benchmarks/speculative.py --quick              # CPU smoke run (tiny sizes)
 """
 
 from __future__ import annotations
@@ -138,6 +149,53 @@ def arm_stats(out, seconds: float, gamma: int, speculative: bool) -> dict:
     return row
 
 
+def simulate(cost, n: int, gamma: int, overhead: float, *, steps: int = 300, seed: int = 0,
+             eps: float = 1e-6, conf_noise: float = 0.6) -> dict:
+    """CPU cross-check (spec §4.3 item 7) with SYNTHETIC acceptance: the generator of the
+    spec's illustration (per-request first-slot acceptance ~ Beta(5, 2), x0.97 per later
+    slot, confidence logit = true logit + N(0, conf_noise)), common random numbers for every
+    arm, the measured cost profile. Predicts committed tokens/s for fixed-γ; the padded
+    dynamic scheduler with the forward shrunk to 1 + max(ell) columns ("padded") and without
+    ("padded_noswitch", every step costs γ+1 columns); and the packed-layout synchronous
+    scheduler (§3.3) costed on the token curve ("packed", an approximation: the profile is
+    measured on padded shapes). Not a measurement of the engine."""
+    rng = np.random.default_rng(seed)
+    c = rng.beta(5, 2, (steps, n, 1)) * 0.97 ** np.arange(gamma)
+    ok = rng.random((steps, n, gamma)) < c
+    g_full = np.argmin(np.concatenate([ok, np.zeros((steps, n, 1), bool)], -1), -1)
+    z = (np.log(c) - np.log1p(-c) + rng.normal(0, conf_noise, c.shape)).astype(np.float32)
+    sec = cost.step_seconds_for(n).astype(np.float64)
+    pad = jax.jit(jax.vmap(lambda zs: schedule.padded_verify_len(
+        zs, jnp.ones(gamma), jnp.ones(n, bool), jnp.full(n, gamma), sec.astype(np.float32),
+        overhead, eps)))
+    ell_pad = np.asarray(pad(z))
+    a = schedule.survivals_np(z, np.ones(gamma))
+    tok_cost = lambda b: float(cost.seconds_at_tokens(b))
+    ell_packed = np.stack([schedule.schedule_sync(a[i], np.full(n, gamma), tok_cost, overhead, eps)
+                           for i in range(steps)])
+    def arm(ell, seconds):
+        tokens = float((np.minimum(g_full, ell) + 1).sum())
+        return dict(tok_s=tokens / seconds, mean_verify_len=float(ell.mean()),
+                    acceptance_rate=float(np.minimum(g_full, ell).sum() / max(ell.sum(), 1)))
+    full = np.full((steps, n), gamma)
+    out = dict(
+        fixed=arm(full, steps * (overhead + sec[gamma])),
+        padded=arm(ell_pad, float(np.sum(overhead + sec[ell_pad.max(axis=1)]))),
+        padded_noswitch=arm(ell_pad, steps * (overhead + sec[gamma])),
+        packed_fixed=arm(full, steps * (overhead + tok_cost(n * (gamma + 1)))),
+        packed=arm(ell_packed, float(sum(overhead + tok_cost(n + e.sum()) for e in ell_packed))))
+    for k in ("padded", "padded_noswitch"):
+        out[k]["over_fixed"] = out[k]["tok_s"] / out["fixed"]["tok_s"]
+    out["packed"]["over_fixed"] = out["packed"]["tok_s"] / out["packed_fixed"]["tok_s"]
+    return out
+
+
+def print_simulation(n, sim):
+    print(f"  simulated N={n:4d}: " + "  ".join(
+        f"{k} ell {v['mean_verify_len']:.2f} {v['tok_s']:9.1f} tok/s"
+        + (f" (x{v['over_fixed']:.3f})" if "over_fixed" in v else "") for k, v in sim.items()))
+
+
 def plot(result, path):
     try:
         import matplotlib
@@ -195,6 +253,10 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     ap.add_argument("--out", default=None, help="JSON path (default results/speculative_<dev>.json)")
     ap.add_argument("--only-cost", action="store_true", help="measure and save the profile only")
+    ap.add_argument("--simulate-only", action="store_true",
+                    help="no decoding: the synthetic-acceptance simulation on the profile")
+    ap.add_argument("--overhead", type=float, default=None,
+                    help="step overhead (s) for --simulate-only (default: the profile's)")
     ap.add_argument("--append", action="store_true",
                     help="keep the other concurrencies already in --out (split runs)")
     args = ap.parse_args(argv)
@@ -220,6 +282,12 @@ def main(argv=None):
     method, drafter = load_drafter(params, args.drafter, args.dspark_path)
     gamma = drafter.config.block_size if method == "dspark" else args.gamma
     arms = ["plain", "fixed"] + (["dynamic"] if method == "dspark" else [])
+    import importlib
+    import inspect
+    shrinks = "run_with_columns" in inspect.getsource(importlib.import_module("deepinfer_fn.generate"))
+    if method == "dspark" and not shrinks:
+        print("NOTE: generate's dynamic arm does not shrink the padded verify forward "
+              "(no schedule.run_with_columns): shorter verify lengths save no compute there")
     print(f"device {jax.devices()[0].device_kind} ({jax.default_backend()}), dtype {dtype.name}, "
           f"drafter {method}, γ={gamma}, arms {arms}, N={conc}, prompt {prompt_len} + "
           f"{new_tokens} new tokens, T={args.temperature}", flush=True)
@@ -241,11 +309,24 @@ def main(argv=None):
         print(f"  B={b:4d}: " + " ".join(f"{s * 1e3:7.3f}" for s in cost.step_seconds_for(b)) + " ms")
     if args.only_cost:
         return
+    if args.simulate_only:
+        overhead = cost.overhead_seconds if args.overhead is None else args.overhead
+        sims = {}
+        for n in conc:
+            sims[n] = simulate(cost, n, gamma, overhead)
+            print_simulation(n, sims[n])
+        sim_path = out_json.replace(".json", "_simulated.json")
+        with open(sim_path, "w") as f:
+            json.dump(dict(overhead_seconds=overhead, gamma=gamma, verify_cost=cost.to_json(),
+                           simulation={str(k): v for k, v in sims.items()}), f, indent=1)
+        print(f"wrote {sim_path}")
+        return
 
     result = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                   host=platform.node(), method=method, gamma=gamma, temperature=args.temperature,
                   prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, eps=args.eps,
                   dtype=dtype.name, quick=quick, verify_cost=cost.to_json(), concurrency=[],
+                  dynamic_shrinks_columns=shrinks,
                   notes=("wall times include prefill; 'all_accepted_tok_s' = R*(1+gamma)*steps/"
                          "time is DeepInfer's convention, 'real_tok_s' counts returned tokens; "
                          "prompts are stdlib sources (the default model's training domain)"))
@@ -291,6 +372,9 @@ def main(argv=None):
         for arm in arms:
             med = float(np.median(entry["times"][arm]))
             entry["arms"][arm] = arm_stats(outs[arm], med, gamma, arm != "plain")
+        overhead = entry.get("overhead_seconds", max(
+            0.0, entry["warm_fixed"]["step_seconds"] - float(cost.step_seconds_for(n)[-1])))
+        entry["simulation"] = simulate(cost, n, gamma, overhead)
         if "dynamic" in entry["arms"]:
             entry["dynamic_over_fixed"] = (entry["arms"]["dynamic"]["real_tok_s"] /
                                            entry["arms"]["fixed"]["real_tok_s"])
@@ -310,6 +394,8 @@ def main(argv=None):
                   f"{r['processed_tok_s']:11.1f} {r['step_seconds'] * 1e3:8.3f}")
         if "dynamic_over_fixed" in entry:
             print(f"{entry['n']:>4} dynamic/fixed real throughput: {entry['dynamic_over_fixed']:.3f}")
+        if "simulation" in entry:
+            print_simulation(entry["n"], entry["simulation"])
     save()
     print(f"wrote {out_json}")
     plot(result, out_json.replace(".json", ".png"))
