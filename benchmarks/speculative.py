@@ -68,9 +68,11 @@ def device_tag() -> str:
     return "cpu" if jax.default_backend() == "cpu" else kind.replace(" ", "_")
 
 
-def make_prompts(n: int, length: int, seed: int = 0) -> np.ndarray:
+def make_prompts(n: int, length: int, seed: int = 0, offset: int = 0) -> np.ndarray:
     """n prompts of `length` tokens: windows of Python standard-library sources (what the
-    default model was trained on), tokenised with its tokenizer, BOS first. Deterministic."""
+    default model was trained on), tokenised with its tokenizer, BOS first. Deterministic.
+    Windows start at offset + multiples of 4 * length: offsets 0 and 2 * length give disjoint
+    prompt sets (benchmark vs calibration)."""
     from deepinfer_fn import text
     tok = text.load_tokenizer(default_model_path())
     stdlib = os.path.dirname(os.__file__)
@@ -80,7 +82,7 @@ def make_prompts(n: int, length: int, seed: int = 0) -> np.ndarray:
     for name in rng.permutation(files):
         with open(os.path.join(stdlib, name), encoding="utf-8", errors="replace") as f:
             ids = tok.encode(f.read()[:200_000])
-        for start in range(0, len(ids) - length + 1, 4 * length):
+        for start in range(offset, len(ids) - length + 1, 4 * length):
             rows.append([tok.bos_id] + ids[start:start + length - 1])
             if len(rows) == n:
                 return np.asarray(rows, np.int32)
@@ -147,6 +149,26 @@ def arm_stats(out, seconds: float, gamma: int, speculative: bool) -> dict:
                processed_tok_s=float((ell + 1).sum()) / seconds,
                step_seconds=seconds / max(steps, 1))
     return row
+
+
+def calibrate(params, drafter, n, prompt_len, new_tokens, temperature, gamma):
+    """STS calibration (spec §1.5) on a log of FIXED full-length verification over a separate
+    prompt set (seed 1; the benchmark prompts use seed 0): the steps where all γ drafts were
+    verified, their confidence logits (`GenerateOutput.draft_confidence`) and accepted counts.
+    Returns (drafter with the calibrated temperatures, report) or (drafter, None) when the
+    tree's generate does not return confidences."""
+    import dataclasses
+    prompts = make_prompts(n, prompt_len, seed=1, offset=2 * prompt_len)
+    _, out = run_arm(params, prompts, new_tokens, temperature,
+                     arm_kwargs("fixed", "dspark", drafter, gamma, None))
+    conf = getattr(out, "draft_confidence", None)
+    if conf is None:
+        return drafter, None
+    acc, ver, conf = np.asarray(out.accepted), np.asarray(out.verified), np.asarray(conf)
+    full = (acc >= 0) & (ver == gamma)
+    temps, report = schedule.sts_calibrate(conf[full], acc[full])
+    report["shipped_temperatures"] = [float(t) for t in np.asarray(drafter.sts_temperatures)]
+    return dataclasses.replace(drafter, sts_temperatures=jnp.asarray(temps)), report
 
 
 def simulate(cost, n: int, gamma: int, overhead: float, *, steps: int = 300, seed: int = 0,
@@ -249,6 +271,8 @@ def main(argv=None):
     ap.add_argument("--cost-file", default=None, help="load this profile instead of measuring")
     ap.add_argument("--eps", type=float, default=0.0, help="scheduler hysteresis")
     ap.add_argument("--drafter", choices=("auto", "dspark", "mtp"), default="auto")
+    ap.add_argument("--calibrate", choices=("auto", "off"), default="auto",
+                    help="STS-calibrate the DSpark confidences on separate prompts first")
     ap.add_argument("--dspark-path", default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     ap.add_argument("--out", default=None, help="JSON path (default results/speculative_<dev>.json)")
@@ -340,6 +364,22 @@ def main(argv=None):
         result["concurrency"].sort(key=lambda e: e["n"])
         with open(out_json, "w") as f:
             json.dump(result, f, indent=1)
+
+    # STS calibration of the drafter's confidences (a separate prompt set, fixed verification)
+    if method == "dspark" and args.calibrate == "auto":
+        t0 = time.perf_counter()
+        drafter, report = calibrate(params, drafter, max(conc), prompt_len, new_tokens,
+                                    args.temperature, gamma)
+        result["calibration"] = report
+        if report is None:
+            print("no draft_confidence in GenerateOutput: shipped STS temperatures kept")
+        else:
+            print(f"STS calibration ({time.perf_counter() - t0:.1f} s, {report['n']} steps): "
+                  f"temperatures {np.round(np.asarray(drafter.sts_temperatures), 3).tolist()}")
+            for r in report["positions"]:
+                print(f"  slot {r['position']}: A rate {r['base_rate']:.3f}  ECE "
+                      f"{r['ece_before']:.4f} -> {r['ece_after']:.4f}  AUC {r['auc_after']:.3f}  "
+                      f"Brier {r['brier_before']:.4f} -> {r['brier_after']:.4f}")
 
     # (b) arms per concurrency
     result["concurrency"].extend(kept)
