@@ -34,6 +34,7 @@ tree's generate does (`dynamic_shrinks_columns`).
     python benchmarks/speculative.py --only-cost          # split runs: the profile first,
     python benchmarks/speculative.py --cost-file benchmarks/results/verify_cost_h200.json \
         --concurrency 16 [--append]                       # then one concurrency per call
+    python benchmarks/speculative.py --auto-concurrency   # + N at 0.5x / 2x the cost knee
     python benchmarks/speculative.py --simulate-only --cost-file F --concurrency 16 60 200
     python benchmarks/speculative.py --quick              # CPU smoke run (tiny sizes)
 """
@@ -281,6 +282,8 @@ def main(argv=None):
                     help="no decoding: the synthetic-acceptance simulation on the profile")
     ap.add_argument("--overhead", type=float, default=None,
                     help="step overhead (s) for --simulate-only (default: the profile's)")
+    ap.add_argument("--auto-concurrency", action="store_true",
+                    help="also run N_low, N_high with N*(1+γ) = 0.5x / 2x the profile's knee")
     ap.add_argument("--append", action="store_true",
                     help="keep the other concurrencies already in --out (split runs)")
     args = ap.parse_args(argv)
@@ -331,6 +334,12 @@ def main(argv=None):
         print(f"verify cost profile ({time.perf_counter() - t0:.1f} s incl. compiles) -> {cost_path}")
     for b in cost.points:
         print(f"  B={b:4d}: " + " ".join(f"{s * 1e3:7.3f}" for s in cost.step_seconds_for(b)) + " ms")
+    knee = cost.knee_tokens()
+    print(f"knee of the verify cost curve: {knee} tokens (slope reaches half its large-B value)")
+    if args.auto_concurrency and knee is not None:
+        extra = sorted({max(1, round(0.5 * knee / (gamma + 1))), max(1, round(2 * knee / (gamma + 1)))})
+        print(f"--auto-concurrency: adding N = {extra}")
+        conc = sorted(set(conc) | set(extra))
     if args.only_cost:
         return
     if args.simulate_only:
@@ -350,7 +359,7 @@ def main(argv=None):
                   host=platform.node(), method=method, gamma=gamma, temperature=args.temperature,
                   prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, eps=args.eps,
                   dtype=dtype.name, quick=quick, verify_cost=cost.to_json(), concurrency=[],
-                  dynamic_shrinks_columns=shrinks,
+                  dynamic_shrinks_columns=shrinks, knee_tokens=knee,
                   notes=("wall times include prefill; 'all_accepted_tok_s' = R*(1+gamma)*steps/"
                          "time is DeepInfer's convention, 'real_tok_s' counts returned tokens; "
                          "prompts are stdlib sources (the default model's training domain)"))

@@ -186,6 +186,13 @@ def test_isotonic_matches_brute_force():
         np.testing.assert_allclose(sch.isotonic_increasing(y, w), best[1], atol=1e-9)
 
 
+def test_knee_tokens():
+    cost = sch.VerifyCost.from_tokens([1, 64, 128, 256, 512, 1024],
+                                      [1.0, 1.0, 1.01, 1.3, 2.0, 3.4], G)
+    assert cost.knee_tokens() == 128          # slope 0.0023 >= half of the last 0.0027
+    assert sch.flat_cost(G, batches=(4, 8)).knee_tokens() is None
+
+
 def test_verify_cost_fit_interp_and_save(tmp_path):
     raw = np.array([[1.0, 1.2, 1.1, 1.5, 1.6, 1.9],
                     [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])

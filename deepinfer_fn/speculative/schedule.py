@@ -252,6 +252,18 @@ class VerifyCost:
             y = np.where(x > tok[-1], sec[-1] + slope * (x - tok[-1]), y)
         return y
 
+    def knee_tokens(self) -> float | None:
+        """Token count where the cost curve's slope first reaches half of its large-B slope
+        (the last segment of the token curve) -- spec §4.3 step 2; None when the curve never
+        rises (flat: the knee lies beyond the measured range)."""
+        tok, sec = self.token_curve()
+        if len(tok) < 2:
+            return None
+        slopes = np.diff(sec) / np.diff(tok)
+        if slopes[-1] <= 0:
+            return None
+        return float(tok[int(np.argmax(slopes >= 0.5 * slopes[-1]))])
+
     def step_seconds_for(self, batch: int) -> np.ndarray:
         """float32 [gamma+1]: verify time with S = 1..gamma+1 columns at `batch` rows
         (non-decreasing in S)."""
