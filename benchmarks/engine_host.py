@@ -77,11 +77,40 @@ def shrunk_params(cfg, dtype=jnp.bfloat16) -> Params:
                                                 for s in leaves]), cfg)
 
 
-def make_stub(vocab: int, device_ms: float = 0.0):
+SPIN_N = 256
+
+
+def _spin_value(k, x):
+    """k chained [SPIN_N, SPIN_N] matmuls seeded by the scalar x: a data-dependent device
+    computation of known cost. (XLA:CPU runs programs it deems cheap, e.g. a scalar loop or
+    a host callback, inline in the calling thread; a matmul loop is dispatched
+    asynchronously like on a GPU.)"""
+    a = jnp.full((SPIN_N, SPIN_N), 1.0 / SPIN_N, jnp.float32) + 0 * x
+    return jax.lax.fori_loop(0, k, lambda i, v: v @ a, a)[0, 0]
+
+
+_spin = jax.jit(_spin_value)
+
+
+def spin_iters_for(ms: float) -> int:
+    """Iterations of `_spin_value` that take ~ms on this CPU (calibrated, best of 5)."""
+    n, x = 20, jnp.ones((), jnp.float32)
+    _spin(n, x).block_until_ready()
+    dts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _spin(n, x).block_until_ready()
+        dts.append(time.perf_counter() - t0)
+    return max(1, round(n * ms / 1e3 / min(dts)))
+
+
+def make_stub(vocab: int, device_ms: float = 0.0, spin_iters: int = 0):
     """A jitted stand-in for step.substep_packed: same signature, donation and outputs (state,
     int32 [B, 2] = token, logprob bits); tokens = a fixed function of the position.
     device_ms > 0: the computation waits that long in a host callback (a busy device that
-    costs the host nothing)."""
+    costs the host no CPU, but the callback needs the GIL to start); spin_iters > 0 instead:
+    that many chained matmuls (`_spin_value`: no GIL, dispatched asynchronously; it occupies
+    CPU cores, so the host competes with the "device" on a small machine)."""
     def wait(x):
         time.sleep(device_ms / 1e3)
         return x
@@ -94,7 +123,10 @@ def make_stub(vocab: int, device_ms: float = 0.0):
         if tokens is not None:
             tok = tok + 0 * tokens[:, 0]
         tok = tok + 0 * block_table[:, 0] + (fparams[:, 0] * 0).astype(jnp.int32)
-        if device_ms > 0:
+        if spin_iters > 0:
+            v = _spin_value(spin_iters + 0 * slot[0], tok[0].astype(jnp.float32))
+            tok = tok + (v > 1e30).astype(tok.dtype)         # the tokens depend on the loop
+        elif device_ms > 0:
             tok = jax.pure_callback(wait, jax.ShapeDtypeStruct(tok.shape, tok.dtype), tok)
         tok = tok.astype(jnp.int32)
         state = dataclasses.replace(state, last_token=state.last_token.at[slot].set(tok, mode="drop"))
@@ -108,12 +140,14 @@ class PhaseTimer:
 
     def __init__(self):
         self.t = dict.fromkeys(PHASES, 0.0)
+        self.n = dict.fromkeys(PHASES, 0)
 
     def wrap(self, phase, fn):
-        t = self.t
+        t, n = self.t, self.n
 
         @functools.wraps(fn)
         def timed(*a, **k):
+            n[phase] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
@@ -210,6 +244,7 @@ def timed_run(engine: Engine, reqs, stub, async_scheduling: bool, profile: bool 
     m = engine.last_run
     bad = [o for o in outs if o.finish_reason != "length"]
     assert not bad, (len(bad), bad[0].finish_reason, bad[0].error)
+    t["_calls"] = timer.n["call"]
     return wall, m.steps, dict(t), m.mean_decode_occupancy * engine.max_batch, \
         [o.tokens for o in outs], prof
 
@@ -232,8 +267,9 @@ def mode_host(args, cfg, out):
         wall, steps, t, dec = best
         res[label] = dict(wall_s=wall, steps=steps, us_per_step=wall / steps * 1e6,
                           decode_rows_per_step=dec,
-                          phases_us_per_step={k: v / steps * 1e6 for k, v in t.items()})
-        ph = "  ".join(f"{k} {v / steps * 1e6:7.1f}" for k, v in t.items())
+                          calls_per_step=t["_calls"] / steps,
+                          phases_us_per_step={k: t[k] / steps * 1e6 for k in PHASES})
+        ph = "  ".join(f"{k} {t[k] / steps * 1e6:7.1f}" for k in PHASES)
         print(f"{label:>5}: {wall:6.2f} s  {steps} steps  {wall / steps * 1e6:8.1f} us/step  "
               f"(decode rows/step {dec:.1f})  per step [us]: {ph}", flush=True)
     res["async_tokens_equal_sync"] = toks["async"] == toks["sync"]
@@ -255,15 +291,19 @@ def mode_overlap(args, cfg, out):
     reqs = workload(args, cfg.vocab_size)
     small = argparse.Namespace(**{**vars(args), "requests": args.max_batch + 8, "new": 4})
     res = {}
+    spin = spin_iters_for(args.device_ms) if args.device_kind == "spin" else 0
     for dms in (0.0, args.device_ms):
-        stub = make_stub(cfg.vocab_size, dms)
+        stub = make_stub(cfg.vocab_size, dms, spin if dms else 0)
         timed_run(engine, workload(small, cfg.vocab_size), stub, True)   # compile
         for label, a in (("async", True), ("sync", False)):
             wall, steps, t, dec, _, _ = timed_run(engine, reqs, stub, a)
+            calls = t.get("_calls", 0)
             key = f"{label}_device{dms:g}ms"
-            host_us = (wall - t["call"]) / steps * 1e6 if dms == 0 else None
-            res[key] = dict(wall_s=wall, steps=steps, us_per_step=wall / steps * 1e6)
-            print(f"device {dms:5.1f} ms/call  {label:>5}: {wall:6.2f} s  {steps} steps  "
+            res[key] = dict(wall_s=wall, steps=steps, us_per_step=wall / steps * 1e6,
+                            calls_per_step=calls / steps,
+                            device_ms_per_step=dms * calls / steps)
+            print(f"device {dms:5.1f} ms/call ({args.device_kind}, {dms * calls / steps:5.2f} "
+                  f"ms/step)  {label:>5}: {wall:6.2f} s  {steps} steps  "
                   f"{wall / steps * 1e3:7.2f} ms/step", flush=True)
     # each step is up to two device calls (prefill + decode): the stand-in's device time per
     # step is device_ms x calls/step
@@ -353,6 +393,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="print the top N cProfile rows")
     ap.add_argument("--device-ms", type=float, default=10.0)
+    ap.add_argument("--device-kind", default="spin", choices=("spin", "sleep"),
+                    help="--mode overlap: an XLA spin loop or a sleeping host callback")
     ap.add_argument("--dispatch-iters", type=int, default=50)
     ap.add_argument("--dispatch-preset", default="tiny",
                     help="--mode dispatch: tiny (CPU) or mini (GPU, random device weights)")
