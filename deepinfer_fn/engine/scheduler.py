@@ -261,14 +261,15 @@ class Scheduler:
                                                                   may_preempt=True):
                 decode.append(Row(seq, seq.epoch, seq.pos, 1, True))
         budget -= len(decode)
-        n_prefilling = sum(s.prefilling for s in self.running)
-        while (self.waiting and self.free_slots and budget > 0
-               and n_prefilling < self.prefill_rows):
-            if not self._admit(self.waiting[0]):
-                break
-            self.waiting.popleft()
-            n_prefilling += self.running[-1].prefilling
-        cands = [s for s in self.running if s.prefilling and s.finish is None]
+        if self.waiting and self.free_slots and budget > 0:
+            n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
+            while (self.waiting and self.free_slots and budget > 0
+                   and n_prefilling < self.prefill_rows):
+                if not self._admit(self.waiting[0]):
+                    break
+                self.waiting.popleft()
+                n_prefilling += self.running[-1].prefilling
+        cands = [s for s in self.running if s.pos < len(s.ext) and s.finish is None]
         shape, picked = self._prefill_shape(cands, budget)
         for seq, n in picked:
             if seq.slot is None:                     # preempted by an earlier row's allocation
