@@ -346,3 +346,18 @@ def test_scheduler_simulation_invariants(seed):
         assert done[r.request_id].generated == expected(r), r.request_id
     held = cache.num_nodes if cache else 0
     assert pages.free_count + held == pages.capacity
+
+
+def test_scalar_sampling_fast_path_agrees_with_check_sampling():
+    """Request validation's host fast path never accepts what check_sampling rejects, and
+    accepts the plain defaults (oracle: check_sampling itself, on a grid of edge values)."""
+    import itertools
+    from deepinfer_fn.sampling import check_sampling, scalar_sampling_ok
+    vals = [0.0, 1, -1, 0.5, 1.0 + 1e-9, 2**32, 2**32 - 1, float("nan"), None, True, 2**31, 3.5]
+    accepted = 0
+    for v in itertools.product(vals, repeat=5):
+        if scalar_sampling_ok(*v):
+            accepted += 1
+            check_sampling(1, *v)               # raises if the fast path was wrong
+    assert accepted > 100
+    assert scalar_sampling_ok(0.0, 0, 1.0, 0.0, 0) and scalar_sampling_ok(0.7, 40, 0.9, 0.05, 123)

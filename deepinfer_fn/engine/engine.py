@@ -57,7 +57,7 @@ from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
 from deepinfer_fn.engine.scheduler import Scheduler, Seq, StepPlan, bucket, buckets_up_to
-from deepinfer_fn.engine.step import substep
+from deepinfer_fn.engine.step import substep_packed
 from deepinfer_fn.params import Params, count_params
 
 
@@ -216,7 +216,7 @@ class Engine:
         """One RequestOutput per request, in order. Items: token-id sequences (with
         `max_new_tokens`, greedy) or `Request` objects."""
         outs: dict[int, RequestOutput] = {}
-        for ev in self.stream(requests, max_new_tokens=max_new_tokens):
+        for ev in self._run(requests, max_new_tokens, partial_events=False):
             if ev.output is not None:
                 outs[ev.index] = ev.output
         return [outs[i] for i in range(len(outs))]
@@ -231,6 +231,11 @@ class Engine:
         """Runs the requests, yielding a StreamEvent whenever tokens become known on the host
         (and one final event per request, `output` set). Closing the iterator early drains the
         engine: in-flight steps finish, unfinished requests are cancelled."""
+        return self._run(requests, max_new_tokens, partial_events=True)
+
+    def _run(self, requests: Iterable, max_new_tokens: int,
+             partial_events: bool) -> Iterator[StreamEvent]:
+        """`stream`; partial_events=False yields only the final event of each request."""
         reqs = [as_request(r, max_new_tokens) for r in requests]
         sched = self.scheduler
         t0 = time.perf_counter()
@@ -267,10 +272,10 @@ class Engine:
                     base["steps"] += 1
                     base["decode_rows"] += len(plan.decode)
                 if pending is not None:
-                    yield from self._collect(pending, emitted, bar)
+                    yield from self._collect(pending, emitted, bar, partial_events)
                     pending = None
                 if outs is not None and not self.async_scheduling:
-                    yield from self._collect(outs, emitted, bar)
+                    yield from self._collect(outs, emitted, bar, partial_events)
                     outs = None
                 pending = outs
                 if plan or pending is not None:
@@ -306,38 +311,41 @@ class Engine:
             self.scheduler.cancel(ids)
 
     def _dispatch(self, plan: StepPlan, watcher):
-        """Packs both sub-batches, then issues them back to back (no host work between the
-        two device calls)."""
+        """Packs both sub-batches (one int32 buffer each), then issues them back to back (no
+        host work between the two device calls). Nothing here waits for the device."""
         sched = self.scheduler
         calls, compiled = [], False
-        for rows, (n, width) in ((plan.prefill, plan.prefill_shape),
-                                 (plan.decode, (bucket(len(plan.decode), self.decode_buckets)
-                                                if plan.decode else 0, None))):
-            if not rows:
-                continue
-            compiled |= (n, width) not in self._shapes_seen
-            self._shapes_seen.add((n, width))
-            meta, fp, bt, toks = sched.pack(rows, n, width)
-            calls.append((rows, jnp.asarray(meta), jnp.asarray(fp), jnp.asarray(bt),
-                          None if toks is None else jnp.asarray(toks)))
+        if plan.prefill:
+            shape = plan.prefill_shape
+            compiled |= shape not in self._shapes_seen
+            self._shapes_seen.add(shape)
+            calls.append((plan.prefill, sched.pack(plan.prefill, *shape)))
+        if plan.decode:
+            shape = (bucket(len(plan.decode), self.decode_buckets), None)
+            compiled |= shape not in self._shapes_seen
+            self._shapes_seen.add(shape)
+            calls.append((plan.decode, sched.pack(plan.decode, *shape)))
         outs, t_issue = [], None
-        for rows, meta, fp, bt, toks in calls:
-            self.state, tok, lp = substep(self.params, self.state, meta, fp, bt, toks)
+        for rows, packed in calls:
+            self.state, out = substep_packed(self.params, self.state, packed)
             t_issue = t_issue or time.perf_counter()
-            outs.append((rows, tok, lp))
+            outs.append((rows, out))
+        for _, out in outs:
+            out.copy_to_host_async()        # ready on the host as soon as the step finishes
         sched.commit_plan(plan)
         if watcher is not None:
             watcher.q.put(([o[1] for o in outs], t_issue, compiled))
         return outs
 
-    def _collect(self, outs, emitted, bar):
+    def _collect(self, outs, emitted, bar, partial_events=True):
         now = None
-        for rows, tok, lp in outs:
-            tok, lp = np.asarray(tok), np.asarray(lp)
+        for rows, out in outs:
+            out = np.asarray(out)[:len(rows)]           # waits for this step (the only sync)
             now = time.perf_counter()
-            self.scheduler.commit_results(rows, tok[:len(rows)], lp[:len(rows)], now)
+            self.scheduler.commit_results(rows, out[:, 0].tolist(),
+                                          out.view(np.float32)[:, 1].tolist(), now)
         seen = set()
-        for rows, _, _ in outs:
+        for rows, _ in (outs if partial_events else ()):
             for row in rows:
                 seq = row.seq
                 if id(seq) in seen or seq.finish is not None:
@@ -398,10 +406,8 @@ class Engine:
         which change nothing; returns the seconds it took."""
         t0 = time.perf_counter()
         for n, width in self.prefill_shapes + tuple((n, None) for n in self.decode_buckets):
-            meta, fp, bt, toks = self.scheduler.pack([], n, width)
-            self.state, tok, _ = substep(self.params, self.state, jnp.asarray(meta),
-                                         jnp.asarray(fp), jnp.asarray(bt),
-                                         None if toks is None else jnp.asarray(toks))
+            self.state, _ = substep_packed(self.params, self.state,
+                                           self.scheduler.pack([], n, width))
             self._shapes_seen.add((n, width))
         jax.block_until_ready(self.state)
         return time.perf_counter() - t0

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from deepinfer_fn.sampling import sampling_params
+from deepinfer_fn.sampling import check_sampling, scalar_sampling_ok
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
 
@@ -93,7 +93,7 @@ def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int) -> t
     Checks: a non-empty 1-D sequence of integer ids inside the vocabulary; max_new_tokens a
     positive int; prompt + max_new_tokens within the engine's context (max_len) and within the
     whole page pool (pool_tokens: such a request could never run); sampling parameters in range
-    (the rules of `sampling.sampling_params`); stop tokens inside the vocabulary.
+    (the rules of `sampling.check_sampling`, host only); stop tokens inside the vocabulary.
     """
     try:
         arr = np.asarray(req.tokens)
@@ -120,7 +120,8 @@ def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int) -> t
         return [], (f"prompt ({arr.size} tokens) + max_new_tokens {n} exceeds the whole page "
                     f"pool ({pool_tokens} tokens)")
     try:
-        sampling_params(1, req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
+        if not scalar_sampling_ok(req.temperature, req.top_k, req.top_p, req.min_p, req.seed):
+            check_sampling(1, req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
     except (ValueError, TypeError) as e:
         return [], f"bad sampling parameters: {e}"
     try:
@@ -130,4 +131,4 @@ def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int) -> t
     bad_stops = [t for t in stops if not 0 <= t < vocab_size]
     if bad_stops:
         return [], f"stop_tokens {bad_stops} are outside the vocabulary [0, {vocab_size})"
-    return [int(t) for t in arr], None
+    return arr.tolist(), None

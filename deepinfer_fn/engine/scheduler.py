@@ -47,6 +47,7 @@ class Seq:
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     ext: list[int] = dataclasses.field(default_factory=list)
+    ext_arr: np.ndarray | None = None       # ext as int32 (set at admission, for packing)
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     pos: int = 0
@@ -71,7 +72,7 @@ class Seq:
                 and len(self.generated) + self.in_flight < self.req.max_new_tokens)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Row:
     seq: Seq
     epoch: int
@@ -88,6 +89,10 @@ class StepPlan:
 
     def __bool__(self):
         return bool(self.prefill or self.decode)
+
+
+META_COLUMNS = ("slot", "start", "n_new", "row_floor", "fresh", "top_k", "seed")
+PACK_HEAD = 10          # meta (7 int32 columns) + fparams (temperature, top_p, min_p as f32 bits)
 
 
 def buckets_up_to(n: int) -> tuple[int, ...]:
@@ -118,7 +123,13 @@ class Scheduler:
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []          # admission order
         self.free_slots = list(range(max_batch - 1, -1, -1))
-        self.block_table = np.zeros((max_batch, max_pages), np.int32)
+        # Per slot, the packed row of `pack` (PACK_HEAD columns, then the block table): the
+        # per-request columns are written once at admission, the block table as pages come.
+        self.slot_rows = np.zeros((max_batch, PACK_HEAD + max_pages), np.int32)
+        self.block_table = self.slot_rows[:, PACK_HEAD:]          # a view
+        self._pad_row = np.zeros(PACK_HEAD + max_pages, np.int32)
+        self._pad_row[0] = max_batch                              # out-of-range slot
+        self._pad_row[7:PACK_HEAD] = np.array([0.0, 1.0, 0.0], np.float32).view(np.int32)
         self._admissions = 0
         self.preemptions = 0
         self.cache_hit_tokens = 0
@@ -225,6 +236,11 @@ class Scheduler:
             return False
         seq.cached_tokens = h
         seq.replayed_tokens = h - start
+        r = seq.req
+        head = self.slot_rows[seq.slot, :PACK_HEAD]
+        head[:7] = (seq.slot, 0, 0, h, 0, r.top_k, np.array(r.seed, np.uint32).view(np.int32))
+        head[7:] = np.array([r.temperature, r.top_p, r.min_p], np.float32).view(np.int32)
+        seq.ext_arr = np.asarray(seq.ext, np.int32)
         self.cache_hit_tokens += h
         seq.admit_order = self._admissions
         self._admissions += 1
@@ -234,23 +250,29 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [])
-        budget = self.budget
+        budget, ps, decode = self.budget, self.page_size, plan.decode
         for seq in list(self.running):
-            if len(plan.decode) >= budget:
+            if len(decode) >= budget:
                 break
-            if seq in self.running and seq.wants_decode():
-                if self._allocate(seq, seq.pos + 1, plan, may_preempt=True):
-                    plan.decode.append(Row(seq, seq.epoch, seq.pos, 1, True))
-        budget -= len(plan.decode)
-        while (self.waiting and self.free_slots and budget > 0
-               and sum(s.prefilling for s in self.running) < self.prefill_rows):
-            if not self._admit(self.waiting[0]):
-                break
-            self.waiting.popleft()
-        cands = [s for s in self.running if s.prefilling and s.finish is None]
+            # seq.slot is None: preempted by an earlier row's allocation this step
+            if seq.slot is None or not seq.wants_decode():
+                continue
+            if seq.pos < len(seq.pages) * ps or self._allocate(seq, seq.pos + 1, plan,
+                                                                  may_preempt=True):
+                decode.append(Row(seq, seq.epoch, seq.pos, 1, True))
+        budget -= len(decode)
+        if self.waiting and self.free_slots and budget > 0:
+            n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
+            while (self.waiting and self.free_slots and budget > 0
+                   and n_prefilling < self.prefill_rows):
+                if not self._admit(self.waiting[0]):
+                    break
+                self.waiting.popleft()
+                n_prefilling += self.running[-1].prefilling
+        cands = [s for s in self.running if s.pos < len(s.ext) and s.finish is None]
         shape, picked = self._prefill_shape(cands, budget)
         for seq, n in picked:
-            if seq not in self.running:              # preempted by an earlier row's allocation
+            if seq.slot is None:                     # preempted by an earlier row's allocation
                 continue
             if self._allocate(seq, seq.pos + n, plan, may_preempt=True):
                 plan.prefill.append(Row(seq, seq.epoch, seq.pos, n, seq.pos + n == len(seq.ext)))
@@ -302,30 +324,32 @@ class Scheduler:
             seq.in_flight -= 1
             if seq.finish is not None:
                 continue                       # a token past a stop (async lag): discarded
-            seq.generated.append(int(tok))
+            tok = int(tok)
+            seq.generated.append(tok)
             seq.logprobs.append(float(lp))
-            seq.t_first = now if seq.t_first is None else seq.t_first
+            if seq.t_first is None:
+                seq.t_first = now
             seq.t_last = now
-            if int(tok) in seq.stops:
+            if tok in seq.stops:
                 self._finish(seq, "stop")
             elif len(seq.generated) >= seq.req.max_new_tokens:
                 self._finish(seq, "length")
 
-    def pack(self, rows: list[Row], n_rows: int, width: int | None):
-        """Packed inputs of a sub-batch padded to n_rows: (meta int32 [n, 7], fparams f32
-        [n, 3], block_table int32 [n, max_pages], tokens int32 [n, width] or None)."""
-        meta = np.zeros((n_rows, 7), np.int32)
-        meta[:, 0] = self.max_batch                 # padding rows: out-of-range slot
-        fparams = np.zeros((n_rows, 3), np.float32)
-        fparams[:, 1] = 1.0
-        bt = np.zeros((n_rows, self.max_pages), np.int32)
-        tokens = None if width is None else np.zeros((n_rows, width), np.int32)
-        for i, row in enumerate(rows):
-            seq, r = row.seq, row.seq.req
-            meta[i, :6] = (seq.slot, row.start, row.n, seq.row_floor, int(seq.fresh), r.top_k)
-            meta[i, 6] = np.array(r.seed, np.uint32).view(np.int32)
-            fparams[i] = (r.temperature, r.top_p, r.min_p)
-            bt[i] = self.block_table[seq.slot]
-            if tokens is not None:
-                tokens[i, :row.n] = seq.ext[row.start:row.start + row.n]
-        return meta, fparams, bt, tokens
+    def pack(self, rows: list[Row], n_rows: int, width: int | None) -> np.ndarray:
+        """The packed inputs of a sub-batch padded to n_rows: int32 [n_rows, PACK_HEAD +
+        max_pages + (width or 0)], per row meta (META_COLUMNS), fparams (temperature, top_p,
+        min_p as f32 bits), the block table, then the prefill tokens (`step.unpack`).
+        Padding rows: slot = max_batch, n_new = 0, top_p = 1."""
+        H = PACK_HEAD + self.max_pages
+        out = np.zeros((n_rows, H + (width or 0)), np.int32)
+        k = len(rows)
+        out[k:, :H] = self._pad_row
+        if k:
+            out[:k, :H] = self.slot_rows[[row.seq.slot for row in rows]]
+            out[:k, 1] = [row.start for row in rows]
+            out[:k, 2] = [row.n for row in rows]
+            out[:k, 4] = [row.seq.fresh for row in rows]
+            if width is not None:
+                for i, row in enumerate(rows):
+                    out[i, H:H + row.n] = row.seq.ext_arr[row.start:row.start + row.n]
+        return out

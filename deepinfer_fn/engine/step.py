@@ -16,9 +16,10 @@ compilation is bounded). Each call:
 The whole PagedState is donated. Padding rows have slot = max_batch (gathers clip, scatters
 drop) and n_new = 0.
 
-Packed host inputs (few transfers per call): meta int32 [B, 7] = (slot, start, n_new,
-row_floor, fresh, top_k, seed bits), fparams f32 [B, 3] = (temperature, top_p, min_p),
-block_table int32 [B, max_pages]. fresh = 1 resets the slot's window ring (a new request in a
+Packed host inputs: meta int32 [B, 7] = (slot, start, n_new, row_floor, fresh, top_k, seed
+bits), fparams f32 [B, 3] = (temperature, top_p, min_p), block_table int32 [B, max_pages]
+(and the prefill tokens). The engine sends them as ONE int32 buffer (`substep_packed`: one
+host -> device transfer per call, one device -> host transfer for tokens + logprobs). fresh = 1 resets the slot's window ring (a new request in a
 reused slot: stale positions must not look valid); the compressor ring is only read for
 positions >= start (or for rows below row_floor, which are dropped), so it needs no reset.
 
@@ -32,13 +33,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_fn.engine.paged_state import POOL_KEYS, PagedState
+from deepinfer_fn.engine.scheduler import META_COLUMNS, PACK_HEAD  # noqa: F401 (packed layout)
 from deepinfer_fn.model import transformer
 from deepinfer_fn.sampling import SamplingParams, sample
 from deepinfer_fn.state import DecodeState
 
-META_COLUMNS = ("slot", "start", "n_new", "row_floor", "fresh", "top_k", "seed")
 
 
 def sample_rows(logits, sampling: SamplingParams, positions):
@@ -97,13 +99,8 @@ def unpack_sampling(meta, fparams) -> SamplingParams:
                           seed=jax.lax.bitcast_convert_type(meta[:, 6], jnp.uint32))
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits",), donate_argnums=(1,))
-def substep(params, state: PagedState, meta, fparams, block_table, tokens=None, *,
-            return_logits: bool = False):
-    """One sub-batch. tokens int32 [B, S] (prefill rows, right-padded past n_new) or None
-    (decode: S = 1, each row's input is its slot's `last_token`).
-
-    Returns (state, sampled tokens int32 [B], logprobs f32 [B]) (+ logits f32 [B, V])."""
+def _substep(params, state: PagedState, meta, fparams, block_table, tokens, return_logits):
+    """The body of `substep` (shared by `substep` and `substep_packed`)."""
     slot, start, n_new, row_floor, fresh = (meta[:, i] for i in range(5))
     if tokens is None:
         tokens = jnp.take(state.last_token, slot, mode="clip")[:, None]
@@ -128,3 +125,40 @@ def substep(params, state: PagedState, meta, fparams, block_table, tokens=None, 
     if return_logits:
         return state, sampled, logp, logits
     return state, sampled, logp
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits",), donate_argnums=(1,))
+def substep(params, state: PagedState, meta, fparams, block_table, tokens=None, *,
+            return_logits: bool = False):
+    """One sub-batch. tokens int32 [B, S] (prefill rows, right-padded past n_new) or None
+    (decode: S = 1, each row's input is its slot's `last_token`).
+
+    Returns (state, sampled tokens int32 [B], logprobs f32 [B]) (+ logits f32 [B, V])."""
+    return _substep(params, state, meta, fparams, block_table, tokens, return_logits)
+
+
+def unpack(packed, max_pages: int):
+    """packed int32 [B, PACK_HEAD + max_pages + S] -> (meta int32 [B, 7], fparams f32 [B, 3],
+    block_table int32 [B, max_pages], tokens int32 [B, S] or None when S = 0). Works on numpy
+    and jax arrays."""
+    meta = packed[:, :7]
+    fbits = packed[:, 7:PACK_HEAD]
+    if isinstance(packed, np.ndarray):
+        fparams = np.ascontiguousarray(fbits).view(np.float32)
+    else:
+        fparams = jax.lax.bitcast_convert_type(fbits, jnp.float32)
+    bt = packed[:, PACK_HEAD:PACK_HEAD + max_pages]
+    toks = packed[:, PACK_HEAD + max_pages:]
+    return meta, fparams, bt, (toks if toks.shape[1] else None)
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def substep_packed(params, state: PagedState, packed):
+    """`substep` on one packed host buffer (one host -> device transfer per call) returning one
+    buffer (one device -> host transfer): packed int32 [B, PACK_HEAD + max_pages + S] (S = 0:
+    decode) as `unpack` reads it. Returns (state, out int32 [B, 2] = (sampled token, logprob
+    f32 bits))."""
+    meta, fparams, bt, toks = unpack(packed, state.max_pages)
+    state, sampled, logp = _substep(params, state, meta, fparams, bt, toks, False)
+    out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
+    return state, out
