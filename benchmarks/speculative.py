@@ -20,11 +20,23 @@ only: MTP has no confidence head, so no dynamic arm). Steps:
     tokens/s Σ(1+ℓ)/wall time;
 (c) JSON + PNG under benchmarks/results/.
 
-Wall times include the prefill of the prompts (one chunk; small next to the decode loop),
-the same for every arm.
+(d) a CPU cross-check per concurrency (spec §4.3 item 7, `simulate`): synthetic acceptance
+    (the spec's illustration generator) replayed through the schedulers on the measured
+    profile: fixed vs padded dynamic (with / without shrinking the forward to 1 + max(ell)
+    columns) vs the packed-layout scheduler. Labelled as a simulation in the JSON.
 
-    python benchmarks/speculative.py                   # GPU: the full run
-    python benchmarks/speculative.py --quick           # CPU smoke run (tiny sizes)
+Wall times include the prefill of the prompts (one chunk; small next to the decode loop),
+the same for every arm. The padded verify layout only saves compute when generate runs the
+forward on 1 + max(ell) columns (`schedule.run_with_columns`); the JSON records whether the
+tree's generate does (`dynamic_shrinks_columns`).
+
+    python benchmarks/speculative.py                      # GPU: profile + N = 16, 60
+    python benchmarks/speculative.py --only-cost          # split runs: the profile first,
+    python benchmarks/speculative.py --cost-file benchmarks/results/verify_cost_h200.json \
+        --concurrency 16 [--append]                       # then one concurrency per call
+    python benchmarks/speculative.py --auto-concurrency   # + N at 0.5x / 2x the cost knee
+    python benchmarks/speculative.py --simulate-only --cost-file F --concurrency 16 60 200
+    python benchmarks/speculative.py --quick              # CPU smoke run (tiny sizes)
 """
 
 from __future__ import annotations
@@ -57,9 +69,11 @@ def device_tag() -> str:
     return "cpu" if jax.default_backend() == "cpu" else kind.replace(" ", "_")
 
 
-def make_prompts(n: int, length: int, seed: int = 0) -> np.ndarray:
+def make_prompts(n: int, length: int, seed: int = 0, offset: int = 0) -> np.ndarray:
     """n prompts of `length` tokens: windows of Python standard-library sources (what the
-    default model was trained on), tokenised with its tokenizer, BOS first. Deterministic."""
+    default model was trained on), tokenised with its tokenizer, BOS first. Deterministic.
+    Windows start at offset + multiples of 4 * length: offsets 0 and 2 * length give disjoint
+    prompt sets (benchmark vs calibration)."""
     from deepinfer_fn import text
     tok = text.load_tokenizer(default_model_path())
     stdlib = os.path.dirname(os.__file__)
@@ -69,7 +83,7 @@ def make_prompts(n: int, length: int, seed: int = 0) -> np.ndarray:
     for name in rng.permutation(files):
         with open(os.path.join(stdlib, name), encoding="utf-8", errors="replace") as f:
             ids = tok.encode(f.read()[:200_000])
-        for start in range(0, len(ids) - length + 1, 4 * length):
+        for start in range(offset, len(ids) - length + 1, 4 * length):
             rows.append([tok.bos_id] + ids[start:start + length - 1])
             if len(rows) == n:
                 return np.asarray(rows, np.int32)
@@ -138,6 +152,73 @@ def arm_stats(out, seconds: float, gamma: int, speculative: bool) -> dict:
     return row
 
 
+def calibrate(params, drafter, n, prompt_len, new_tokens, temperature, gamma):
+    """STS calibration (spec §1.5) on a log of FIXED full-length verification over a separate
+    prompt set (seed 1; the benchmark prompts use seed 0): the steps where all γ drafts were
+    verified, their confidence logits (`GenerateOutput.draft_confidence`) and accepted counts.
+    Returns (drafter with the calibrated temperatures, report) or (drafter, None) when the
+    tree's generate does not return confidences."""
+    import dataclasses
+    prompts = make_prompts(n, prompt_len, seed=1, offset=2 * prompt_len)
+    _, out = run_arm(params, prompts, new_tokens, temperature,
+                     arm_kwargs("fixed", "dspark", drafter, gamma, None))
+    conf = getattr(out, "draft_confidence", None)
+    if conf is None:
+        return drafter, None
+    acc, ver, conf = np.asarray(out.accepted), np.asarray(out.verified), np.asarray(conf)
+    full = (acc >= 0) & (ver == gamma)
+    temps, report = schedule.sts_calibrate(conf[full], acc[full])
+    report["shipped_temperatures"] = [float(t) for t in np.asarray(drafter.sts_temperatures)]
+    return dataclasses.replace(drafter, sts_temperatures=jnp.asarray(temps)), report
+
+
+def simulate(cost, n: int, gamma: int, overhead: float, *, steps: int = 300, seed: int = 0,
+             eps: float = 1e-6, conf_noise: float = 0.6) -> dict:
+    """CPU cross-check (spec §4.3 item 7) with SYNTHETIC acceptance: the generator of the
+    spec's illustration (per-request first-slot acceptance ~ Beta(5, 2), x0.97 per later
+    slot, confidence logit = true logit + N(0, conf_noise)), common random numbers for every
+    arm, the measured cost profile. Predicts committed tokens/s for fixed-γ; the padded
+    dynamic scheduler with the forward shrunk to 1 + max(ell) columns ("padded") and without
+    ("padded_noswitch", every step costs γ+1 columns); and the packed-layout synchronous
+    scheduler (§3.3) costed on the token curve ("packed", an approximation: the profile is
+    measured on padded shapes). Not a measurement of the engine."""
+    rng = np.random.default_rng(seed)
+    c = rng.beta(5, 2, (steps, n, 1)) * 0.97 ** np.arange(gamma)
+    ok = rng.random((steps, n, gamma)) < c
+    g_full = np.argmin(np.concatenate([ok, np.zeros((steps, n, 1), bool)], -1), -1)
+    z = (np.log(c) - np.log1p(-c) + rng.normal(0, conf_noise, c.shape)).astype(np.float32)
+    sec = cost.step_seconds_for(n).astype(np.float64)
+    pad = jax.jit(jax.vmap(lambda zs: schedule.padded_verify_len(
+        zs, jnp.ones(gamma), jnp.ones(n, bool), jnp.full(n, gamma), sec.astype(np.float32),
+        overhead, eps)))
+    ell_pad = np.asarray(pad(z))
+    a = schedule.survivals_np(z, np.ones(gamma))
+    tok_cost = lambda b: float(cost.seconds_at_tokens(b))
+    ell_packed = np.stack([schedule.schedule_sync(a[i], np.full(n, gamma), tok_cost, overhead, eps)
+                           for i in range(steps)])
+    def arm(ell, seconds):
+        tokens = float((np.minimum(g_full, ell) + 1).sum())
+        return dict(tok_s=tokens / seconds, mean_verify_len=float(ell.mean()),
+                    acceptance_rate=float(np.minimum(g_full, ell).sum() / max(ell.sum(), 1)))
+    full = np.full((steps, n), gamma)
+    out = dict(
+        fixed=arm(full, steps * (overhead + sec[gamma])),
+        padded=arm(ell_pad, float(np.sum(overhead + sec[ell_pad.max(axis=1)]))),
+        padded_noswitch=arm(ell_pad, steps * (overhead + sec[gamma])),
+        packed_fixed=arm(full, steps * (overhead + tok_cost(n * (gamma + 1)))),
+        packed=arm(ell_packed, float(sum(overhead + tok_cost(n + e.sum()) for e in ell_packed))))
+    for k in ("padded", "padded_noswitch"):
+        out[k]["over_fixed"] = out[k]["tok_s"] / out["fixed"]["tok_s"]
+    out["packed"]["over_fixed"] = out["packed"]["tok_s"] / out["packed_fixed"]["tok_s"]
+    return out
+
+
+def print_simulation(n, sim):
+    print(f"  simulated N={n:4d}: " + "  ".join(
+        f"{k} ell {v['mean_verify_len']:.2f} {v['tok_s']:9.1f} tok/s"
+        + (f" (x{v['over_fixed']:.3f})" if "over_fixed" in v else "") for k, v in sim.items()))
+
+
 def plot(result, path):
     try:
         import matplotlib
@@ -191,10 +272,20 @@ def main(argv=None):
     ap.add_argument("--cost-file", default=None, help="load this profile instead of measuring")
     ap.add_argument("--eps", type=float, default=0.0, help="scheduler hysteresis")
     ap.add_argument("--drafter", choices=("auto", "dspark", "mtp"), default="auto")
+    ap.add_argument("--calibrate", choices=("auto", "off"), default="auto",
+                    help="STS-calibrate the DSpark confidences on separate prompts first")
     ap.add_argument("--dspark-path", default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     ap.add_argument("--out", default=None, help="JSON path (default results/speculative_<dev>.json)")
     ap.add_argument("--only-cost", action="store_true", help="measure and save the profile only")
+    ap.add_argument("--simulate-only", action="store_true",
+                    help="no decoding: the synthetic-acceptance simulation on the profile")
+    ap.add_argument("--overhead", type=float, default=None,
+                    help="step overhead (s) for --simulate-only (default: the profile's)")
+    ap.add_argument("--auto-concurrency", action="store_true",
+                    help="also run N_low, N_high with N*(1+γ) = 0.5x / 2x the profile's knee")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the other concurrencies already in --out (split runs)")
     args = ap.parse_args(argv)
     # persistent compile cache (a second run on a warm machine skips the compiles)
     jax.config.update("jax_compilation_cache_dir",
@@ -207,7 +298,7 @@ def main(argv=None):
     new_tokens = args.new_tokens or (24 if quick else 384)
     repeats = args.repeats or (1 if quick else 3)
     cost_batches = args.cost_batches or (sorted(set(conc)) if quick else
-                                         sorted(set([1, 256] + conc)))
+                                         sorted(set([256] + conc)))
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
     dev = device_tag()
@@ -218,6 +309,12 @@ def main(argv=None):
     method, drafter = load_drafter(params, args.drafter, args.dspark_path)
     gamma = drafter.config.block_size if method == "dspark" else args.gamma
     arms = ["plain", "fixed"] + (["dynamic"] if method == "dspark" else [])
+    import importlib
+    import inspect
+    shrinks = "run_with_columns" in inspect.getsource(importlib.import_module("deepinfer_fn.generate"))
+    if method == "dspark" and not shrinks:
+        print("NOTE: generate's dynamic arm does not shrink the padded verify forward "
+              "(no schedule.run_with_columns): shorter verify lengths save no compute there")
     print(f"device {jax.devices()[0].device_kind} ({jax.default_backend()}), dtype {dtype.name}, "
           f"drafter {method}, γ={gamma}, arms {arms}, N={conc}, prompt {prompt_len} + "
           f"{new_tokens} new tokens, T={args.temperature}", flush=True)
@@ -237,22 +334,64 @@ def main(argv=None):
         print(f"verify cost profile ({time.perf_counter() - t0:.1f} s incl. compiles) -> {cost_path}")
     for b in cost.points:
         print(f"  B={b:4d}: " + " ".join(f"{s * 1e3:7.3f}" for s in cost.step_seconds_for(b)) + " ms")
+    knee = cost.knee_tokens()
+    print(f"knee of the verify cost curve: {knee} tokens (slope reaches half its large-B value)")
+    if args.auto_concurrency and knee is not None:
+        extra = sorted({max(1, round(0.5 * knee / (gamma + 1))), max(1, round(2 * knee / (gamma + 1)))})
+        print(f"--auto-concurrency: adding N = {extra}")
+        conc = sorted(set(conc) | set(extra))
     if args.only_cost:
+        return
+    if args.simulate_only:
+        overhead = cost.overhead_seconds if args.overhead is None else args.overhead
+        sims = {}
+        for n in conc:
+            sims[n] = simulate(cost, n, gamma, overhead)
+            print_simulation(n, sims[n])
+        sim_path = out_json.replace(".json", "_simulated.json")
+        with open(sim_path, "w") as f:
+            json.dump(dict(overhead_seconds=overhead, gamma=gamma, verify_cost=cost.to_json(),
+                           simulation={str(k): v for k, v in sims.items()}), f, indent=1)
+        print(f"wrote {sim_path}")
         return
 
     result = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                   host=platform.node(), method=method, gamma=gamma, temperature=args.temperature,
                   prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, eps=args.eps,
                   dtype=dtype.name, quick=quick, verify_cost=cost.to_json(), concurrency=[],
+                  dynamic_shrinks_columns=shrinks, knee_tokens=knee,
                   notes=("wall times include prefill; 'all_accepted_tok_s' = R*(1+gamma)*steps/"
                          "time is DeepInfer's convention, 'real_tok_s' counts returned tokens; "
                          "prompts are stdlib sources (the default model's training domain)"))
 
+    kept = []
+    if args.append and os.path.isfile(out_json):
+        with open(out_json) as f:
+            kept = [e for e in json.load(f).get("concurrency", []) if e["n"] not in conc]
+
     def save():
+        result["concurrency"].sort(key=lambda e: e["n"])
         with open(out_json, "w") as f:
             json.dump(result, f, indent=1)
 
+    # STS calibration of the drafter's confidences (a separate prompt set, fixed verification)
+    if method == "dspark" and args.calibrate == "auto":
+        t0 = time.perf_counter()
+        drafter, report = calibrate(params, drafter, max(conc), prompt_len, new_tokens,
+                                    args.temperature, gamma)
+        result["calibration"] = report
+        if report is None:
+            print("no draft_confidence in GenerateOutput: shipped STS temperatures kept")
+        else:
+            print(f"STS calibration ({time.perf_counter() - t0:.1f} s, {report['n']} steps): "
+                  f"temperatures {np.round(np.asarray(drafter.sts_temperatures), 3).tolist()}")
+            for r in report["positions"]:
+                print(f"  slot {r['position']}: A rate {r['base_rate']:.3f}  ECE "
+                      f"{r['ece_before']:.4f} -> {r['ece_after']:.4f}  AUC {r['auc_after']:.3f}  "
+                      f"Brier {r['brier_before']:.4f} -> {r['brier_after']:.4f}")
+
     # (b) arms per concurrency
+    result["concurrency"].extend(kept)
     for n in conc:
         prompts = make_prompts(n, prompt_len)
         kw = {arm: arm_kwargs(arm, method, drafter, gamma, None) for arm in arms}
@@ -282,6 +421,9 @@ def main(argv=None):
         for arm in arms:
             med = float(np.median(entry["times"][arm]))
             entry["arms"][arm] = arm_stats(outs[arm], med, gamma, arm != "plain")
+        overhead = entry.get("overhead_seconds", max(
+            0.0, entry["warm_fixed"]["step_seconds"] - float(cost.step_seconds_for(n)[-1])))
+        entry["simulation"] = simulate(cost, n, gamma, overhead)
         if "dynamic" in entry["arms"]:
             entry["dynamic_over_fixed"] = (entry["arms"]["dynamic"]["real_tok_s"] /
                                            entry["arms"]["fixed"]["real_tok_s"])
@@ -301,6 +443,8 @@ def main(argv=None):
                   f"{r['processed_tok_s']:11.1f} {r['step_seconds'] * 1e3:8.3f}")
         if "dynamic_over_fixed" in entry:
             print(f"{entry['n']:>4} dynamic/fixed real throughput: {entry['dynamic_over_fixed']:.3f}")
+        if "simulation" in entry:
+            print_simulation(entry["n"], entry["simulation"])
     save()
     print(f"wrote {out_json}")
     plot(result, out_json.replace(".json", ".png"))

@@ -10,6 +10,18 @@ io_callback in the decode loop (tiny random model with the V4 vocabulary, constr
 
     python benchmarks/structured_mask.py [--out benchmarks/results/structured_mask.json] [--quick]
     python benchmarks/structured_mask.py --loop-only --batches 4,32 --out loop_gpu.json  # on a GPU
+
+Speculative decoding (generate(..., constraint=..., speculative="mtp")): the host work of one
+verify step with k drafts -- k `ConstrainedBatch.draft_step` calls (consume draft j, mask after
+it) and one `commit` (roll back the rejected drafts, consume the correction/bonus token, next
+mask) -- for each constraint and B = 1, 8, 32 rows, walking the reference answers with the
+drafts = the true continuation and the accepted count g drawn uniformly from 0..k (so rollbacks
+of 0..k drafts all occur). `--speculative-loop` adds the decode-loop overhead of the
+speculative path (tiny random model, V4 vocabulary; constrained speculative vs free
+speculative, per verify step):
+
+    python benchmarks/structured_mask.py --spec-only [--k 3] --out structured_mask_spec.json
+    python benchmarks/structured_mask.py --loop-only --speculative-loop --batches 4,32 --out loop_spec_gpu.json
 """
 
 from __future__ import annotations
@@ -114,6 +126,70 @@ def batch_step(constraint, tok, ids, rows, repeats):
     return times
 
 
+def spec_verify_steps(constraint, tok, ids, rows, k, repeats, seed=0):
+    """Host time of speculative verify steps (k draft_steps + 1 commit) for `rows` identical
+    rows walking `ids` (then EOS): per step (draft_s [k], commit_s, accepted g)."""
+    rng = np.random.default_rng(seed)
+    walk_ids = list(ids) + [tok.eos_id]
+    steps = []
+    for _ in range(repeats):
+        batch = ConstrainedBatch.build(constraint, rows, tok, VOCAB)
+        batch.initial()
+        active = np.ones((rows,), bool)
+        i = 0                                  # committed tokens (the first is consumed plainly)
+        batch.step(np.full((rows,), walk_ids[0], np.int32), active)
+        i = 1
+        while i < len(walk_ids):
+            ell = min(k, len(walk_ids) - i - 1)   # the last token must be a correction/bonus
+            drafts = walk_ids[i:i + k] + [walk_ids[-1]] * (k - len(walk_ids[i:i + k]))
+            n_d0, n_c0 = len(batch.draft_seconds), len(batch.commit_seconds)
+            for j in range(k):
+                batch.draft_step(np.full((rows,), drafts[j], np.int32), active)
+            g = int(rng.integers(0, ell + 1))
+            tokens = np.zeros((rows, k + 1), np.int32)
+            tokens[:, :g + 1] = walk_ids[i:i + g + 1]
+            _, finished, n_keep = batch.commit(tokens, np.full((rows,), g), np.full((rows,), g + 1),
+                                               active)
+            assert (n_keep == g + 1).all()
+            for m in batch.matchers:
+                assert m.error is None, m.error
+            steps.append((batch.draft_seconds[n_d0:], batch.commit_seconds[n_c0], g))
+            i += g + 1
+        assert all(m.status() == "complete" for m in batch.matchers)
+    return steps
+
+
+def spec_summary(steps, k) -> dict:
+    total = [sum(d) + c for d, c, _ in steps]
+    drafts = [x for d, _, _ in steps for x in d]
+    commits = [c for _, c, _ in steps]
+    return {"k": k, "verify_step": stats(total), "draft_step": stats(drafts),
+            "commit": stats(commits), "mean_accepted": float(np.mean([g for *_, g in steps])),
+            "host_ms_per_committed_token": float(np.sum(total) * 1e3
+                                                 / np.sum([g + 1 for *_, g in steps]))}
+
+
+def spec_section(tok, k, repeats, results):
+    print(f"\nspeculative decoding, host work per verify step (k={k}: {k} draft steps + 1 commit; "
+          f"drafts = the true continuation, g ~ U{{0..{k}}}; {os.cpu_count()} CPUs):")
+    results["speculative"] = {"k": k, "cases": {}}
+    for name, c, example in CASES:
+        ids = tok.encode(example)
+        per_rows = {}
+        for rows in (1, 8, 32):
+            sm = spec_summary(spec_verify_steps(c, tok, ids, rows, k, repeats), k)
+            # the plain host step (one token per row) in the same conditions, for reference
+            sm["plain_step"] = stats(batch_step(c, tok, ids, rows, repeats))
+            per_rows[str(rows)] = sm
+            v = sm["verify_step"]
+            print(f"  {name:<20} B={rows:<3} verify step mean {v['mean_ms']:.3f} ms  median "
+                  f"{v['median_ms']:.3f}  p90 {v['p90_ms']:.3f}  (draft step "
+                  f"{sm['draft_step']['mean_ms']:.3f}, commit {sm['commit']['mean_ms']:.3f}); "
+                  f"{sm['host_ms_per_committed_token']:.3f} ms per committed token (mean g "
+                  f"{sm['mean_accepted']:.2f}) vs plain {sm['plain_step']['mean_ms']:.3f} ms")
+        results["speculative"]["cases"][name] = per_rows
+
+
 def device_unpack(rows, repeats=20):
     f = jax.jit(structured.unpack_bitmask, static_argnums=1)
     packed = jnp.asarray(np.random.default_rng(0).integers(0, 2**32, (rows, 4040), np.uint32))
@@ -124,7 +200,7 @@ def device_unpack(rows, repeats=20):
     return (time.perf_counter() - t0) / repeats
 
 
-def loop_overhead(tok, steps, batch=4, repeats=3):
+def loop_overhead(tok, steps, batch=4, repeats=3, speculative=None, k=3):
     """Per decode step, tiny random model with the V4 vocabulary: generate() with a
     constraint that allows every plain token (free text of exactly `steps` chars is too strict:
     Regex('(?s).{1,4000}') lets the model write) vs the same call unconstrained."""
@@ -132,27 +208,42 @@ def loop_overhead(tok, steps, batch=4, repeats=3):
     params = di.init_params(cfg, jax.random.key(0))
     prompts = np.asarray([tok.encode("Hello, how are you today? I am")[:8]] * batch, np.int32)
     kw = dict(max_new_tokens=steps, temperature=1.0, seed=list(range(1, batch + 1)))
+    if speculative:
+        kw.update(speculative=speculative, num_draft_tokens=k)
     built = []  # keep the ConstrainedBatch generate() builds, for its host step times
     build = ConstrainedBatch.__dict__["build"].__func__
     ConstrainedBatch.build = classmethod(lambda cls, *a, **k: built.append(build(cls, *a, **k))
                                          or built[-1])
-    res = {}
-    for name, c in [("free", None), ("constrained", Regex(r"(?s).{1,4000}"))]:
-        ckw = dict(kw, constraint=c, tokenizer=tok) if c is not None else kw
-        out = di.generate(params, prompts, **ckw)  # compile
-        out.tokens.block_until_ready()
-        best = []
-        for _ in range(repeats):
+    arms = {"free": kw, "constrained": dict(kw, constraint=Regex(r"(?s).{1,4000}"),
+                                            tokenizer=tok)}
+    outs = {}
+    for name, ckw in arms.items():  # compile
+        outs[name] = di.generate(params, prompts, **ckw)
+        outs[name].tokens.block_until_ready()
+    best = {name: [] for name in arms}
+    for _ in range(repeats):  # the arms interleaved, so a shared machine's load hits both
+        for name, ckw in arms.items():
             t0 = time.perf_counter()
-            out = di.generate(params, prompts, **ckw)
-            out.tokens.block_until_ready()
-            best.append(time.perf_counter() - t0)
-        res[name] = min(best) / steps
-        if c is not None:
-            assert all(s == "incomplete" or s == "complete" for s in out.constraint_status)
+            outs[name] = di.generate(params, prompts, **ckw)
+            outs[name].tokens.block_until_ready()
+            best[name].append(time.perf_counter() - t0)
+    res, verify_steps = {}, {}
+    for name, out in outs.items():
+        # per decode step (plain) or per verify step (speculative: the loop's iterations)
+        iters = steps if not speculative else int(np.asarray(out.accepted >= 0).sum(1).max())
+        verify_steps[name] = iters
+        res[name] = min(best[name]) / iters
+    assert all(s == "incomplete" or s == "complete" for s in outs["constrained"].constraint_status)
     ConstrainedBatch.build = classmethod(build)
-    host = float(np.mean(built[-1].step_seconds)) * 1e3
-    return {"free_ms_per_step": res["free"] * 1e3,
+    if speculative:
+        b = built[-1]
+        host = (float(np.sum(b.draft_seconds)) + float(np.sum(b.commit_seconds))) * 1e3 \
+            / max(1, len(b.commit_seconds))
+    else:
+        host = float(np.mean(built[-1].step_seconds)) * 1e3
+    return {"speculative": speculative, "k": k if speculative else None,
+            "loop_iterations": verify_steps,
+            "free_ms_per_step": res["free"] * 1e3,
             "constrained_ms_per_step": res["constrained"] * 1e3,
             "overhead_ms_per_step": (res["constrained"] - res["free"]) * 1e3,
             "host_step_ms": host, "batch": batch, "steps": steps,
@@ -167,6 +258,11 @@ def main():
     ap.add_argument("--loop-only", action="store_true",
                     help="only the decode-loop overhead, on the default JAX backend (e.g. a GPU)")
     ap.add_argument("--batches", default="4", help="batch sizes of the decode-loop run")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per verify step (speculative)")
+    ap.add_argument("--spec-only", action="store_true",
+                    help="only the speculative host step per verify step (CPU)")
+    ap.add_argument("--speculative-loop", action="store_true",
+                    help="decode-loop overhead of the speculative (MTP) path instead of plain")
     args = ap.parse_args()
     repeats = 1 if args.quick else 3
 
@@ -188,15 +284,32 @@ def main():
                        "jax": jax.__version__, "python": platform.python_version()}}
     hdr = (f"{'constraint':<20}{'compile ms':>11}{'steps':>6}{'mask mean':>10}{'median':>8}"
            f"{'p90':>8}{'max':>8}{'consume':>9}{'allowed/step':>14}   (ms; first walk / later walks)")
+    spec = "mtp" if args.speculative_loop else None
+    unit = f"verify step (k={args.k})" if spec else "step"
     if args.loop_only:
-        results["decode_loop"] = [loop_overhead(tok, 64, int(b)) for b in args.batches.split(",")]
+        results["decode_loop"] = [loop_overhead(tok, 64, int(b), speculative=spec, k=args.k)
+                                  for b in args.batches.split(",")]
         for lo in results["decode_loop"]:
-            print(f"decode loop on {lo['device']}, tiny random model, V={VOCAB}, B={lo['batch']}: "
-                  f"free {lo['free_ms_per_step']:.2f} ms/step, constrained "
-                  f"{lo['constrained_ms_per_step']:.2f} ms/step, overhead "
-                  f"{lo['overhead_ms_per_step']:.2f} (host step {lo['host_step_ms']:.2f})")
+            print(f"decode loop on {lo['device']}, tiny random model, V={VOCAB}, B={lo['batch']}"
+                  f"{', speculative MTP' if spec else ''}: free {lo['free_ms_per_step']:.2f} "
+                  f"ms/{unit}, constrained {lo['constrained_ms_per_step']:.2f} ms/{unit}, "
+                  f"overhead {lo['overhead_ms_per_step']:.2f} (host {lo['host_step_ms']:.2f})")
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+        return
+    if args.spec_only:
+        spec_section(tok, args.k, repeats, results)
+        if args.speculative_loop:
+            lo = loop_overhead(tok, 32, speculative=spec, k=args.k, repeats=repeats)
+            results["decode_loop"] = [lo]
+            print(f"\ndecode loop, speculative MTP k={args.k}, tiny random model, V={VOCAB}, B=4 "
+                  f"(CPU): free {lo['free_ms_per_step']:.2f} ms/{unit}, constrained "
+                  f"{lo['constrained_ms_per_step']:.2f}: overhead {lo['overhead_ms_per_step']:.2f}"
+                  f" ms per verify step, of which host {lo['host_step_ms']:.2f} ms")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nwrote {args.out}")
         return
     print(hdr)
     for name, c, example in CASES:
@@ -226,6 +339,8 @@ def main():
         print(f"  B={rows:<3} host step mean {s['mean_ms']:.3f} ms  median {s['median_ms']:.3f}"
               f"  p90 {s['p90_ms']:.3f}  ({s['mean_ms'] / rows:.3f} ms/row);  device unpack "
               f"[{rows},4040]->[{rows},{VOCAB}] {dev * 1e3:.3f} ms (CPU, jitted)")
+
+    spec_section(tok, args.k, repeats, results)
 
     if not args.quick:
         lo = loop_overhead(tok, steps=32)

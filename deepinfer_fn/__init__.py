@@ -8,12 +8,13 @@ from deepinfer_fn.generate import GenerateOutput, generate, stream_generate
 from deepinfer_fn.state import DecodeState, init_state
 from deepinfer_fn.default_model import default_model_path
 from deepinfer_fn.structured import Grammar, JsonSchema, Regex
+from deepinfer_fn.engine import Engine, Request, RequestOutput
 
 __all__ = [
     "ConfigError", "ModelConfig", "Params", "count_params", "init_params", "param_specs",
     "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
     "GenerateOutput", "generate", "stream_generate", "default_model_path", "DecodeState", "init_state",
-    "Regex", "JsonSchema", "Grammar",
+    "Regex", "JsonSchema", "Grammar", "Engine", "Request", "RequestOutput",
 ]
 
 __all__ += ["make_mesh", "shard_params"]

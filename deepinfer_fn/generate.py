@@ -9,7 +9,9 @@ independently; the decode state is donated, and nothing returns to the host unti
 (`_speculative_generate`): the same prefill (plus the MTP drafter's), then a while-loop whose
 step drafts k tokens with the MTP block, verifies them with one k+1-token `forward_chunk`,
 accepts per row (deepinfer_fn/speculative/verify.py), rolls the state back to the accepted
-prefix and feeds the MTP the accepted positions.
+prefix and feeds the MTP the accepted positions. With a constraint, the drafts and the verified
+target distributions are masked by the grammar state at every draft position and the matchers
+roll back with the state (deepinfer_fn/structured.py, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -243,7 +245,9 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     last-ulp differences between a k+1-token chunk and single-token steps), sampled rows the same
     distribution as the plain sampler (not the same draws: the keys are per verify step,
     spec/dspark.md §5.2). The output carries per-step acceptance counts (`accepted`,
-    `verified`, `acceptance()`). Not combinable with `constraint` or a sharded mesh yet.
+    `verified`, `acceptance()`). With `constraint`, the drafts are drawn under the grammar
+    masks and verified against the masked target (still lossless: greedy constrained rows give
+    the tokens of plain greedy constrained decoding). Not on a sharded mesh yet.
 
     speculative="dspark": the DSpark drafter `drafter` (a `deepinfer_fn.speculative.DSpark`,
     e.g. `load_dspark(default_dspark_path(), params)` for the embedded default model) drafts
@@ -253,6 +257,7 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     `speculative.schedule.VerifyCost` profile; spec/dspark.md §3), "random" -> uniform in
     0..γ per row and step (a diagnostic for losslessness tests). Same losslessness and
     statistics as "mtp"; the output also carries the confidence logits (`draft_confidence`).
+    No constraint or sharded mesh yet.
     """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
@@ -260,15 +265,14 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     tokens, lengths = check_prompts(tokens, lengths, cfg, max_new_tokens, max_len)
     stop_tokens = check_stop_tokens(stop_tokens, cfg)
     if speculative is not None:
-        if constraint is not None:
-            raise NotImplementedError("speculative decoding with a constraint is not supported yet")
         return _speculative_generate(
             params, tokens, lengths, method=speculative, k=num_draft_tokens,
             drafter=drafter, verify_len=verify_len, verify_cost=verify_cost,
             max_new_tokens=int(max_new_tokens), temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
             return_logprobs=return_logprobs, pad_id=pad_id, prefill_chunk=prefill_chunk,
-            max_len=max_len, window_slots=window_slots)
+            max_len=max_len, window_slots=window_slots, constraint=constraint,
+            tokenizer=tokenizer)
     return _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
                             block=int(max_new_tokens), temperature=temperature, top_k=top_k,
                             top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
@@ -419,25 +423,47 @@ def _spec_prefill(params, state, mstate, tokens, lengths, chunk):
 
 @functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"))
 def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits, last_streams,
-                 done, sampling: SamplingParams, pad_id, *, n: int, k: int,
-                 stop_tokens: tuple[int, ...]):
+                 done, sampling: SamplingParams, pad_id, masks=None, session=None, *, n: int,
+                 k: int, stop_tokens: tuple[int, ...]):
     """Up to n tokens per row: the first sampled from the prefill logits as plain decoding
     does, then `lax.while_loop` steps of draft (MTP, k tokens) -> verify (one forward of the
     anchor + k drafts, all logits) -> accept (per row) -> rollback -> MTP catch-up.
 
     Per row the loop carries the MTP's pending input: the backbone streams and next tokens of
     the positions committed in the last step (at most k + 1). Returns (tokens [B,n],
-    logprobs [B,n], counts [B], stopped [B] (a stop token ended the row), accepted [B,n],
-    verified [B,n])."""
+    logprobs [B,n], counts [B], stopped [B] (a stop token or the constraint ended the row),
+    accepted [B,n], verified [B,n]).
+
+    Constrained (masks: packed uint32 [B,W] for the first token; session: int32 id of a
+    registered `structured.ConstrainedBatch`; structured.py, "speculative decoding"): the
+    first token is sampled under `masks` and consumed by `host_step`; each verify step then
+    carries m_0 (the grammar state after the committed tokens), drafts under m_0..m_{k-1}
+    with one `host_draft` io_callback per slot (returning m_1..m_k), verifies against the
+    target logits masked by m_0..m_k (draft slots after a drafted EOS or dead end are not
+    admitted), and one `host_commit` io_callback rolls the matchers back to the accepted
+    drafts, consumes the correction/bonus token and returns the next m_0, the rows the
+    constraint finished and how many committed tokens stay (an accepted EOS draft drops the
+    bonus after it). Logprobs are those of the masked logits, as in `_decode_block`.
+    """
     B = logits.shape[0]
     K1 = k + 1
+    V = logits.shape[-1]
+    constrained = masks is not None
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-    first, first_lp = sample(logits, sampling, state.lengths)
+    allowed = structured.unpack_bitmask(masks, V) if constrained else None
+    first, first_lp = sample(logits, sampling, state.lengths, allowed)
     active = ~done
     out = jnp.full((B, n + K1), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
     logp = jnp.zeros((B, n + K1), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
     count = active.astype(jnp.int32)
-    done = done | jnp.isin(first, stops) | (n <= 1)
+    ended = jnp.zeros((B,), bool)          # rows the constraint finished
+    if constrained:
+        masks, ended = io_callback(structured.host_step,
+                                   (jax.ShapeDtypeStruct(masks.shape, jnp.uint32),
+                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
+                                   session, first, active, ordered=False)
+        ended = ended & active
+    done = done | jnp.isin(first, stops) | (n <= 1) | ended
     pend_streams = jnp.zeros((B, K1) + last_streams.shape[1:], last_streams.dtype)
     pend_streams = pend_streams.at[:, 0].set(last_streams)
     pend_ids = jnp.zeros((B, K1), jnp.int32).at[:, 0].set(first)
@@ -450,20 +476,48 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
         return (loop[0] < n) & ~jnp.all(loop[9])
 
     def body(loop):
-        i, state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done, step, acc_h, ver_h = loop
+        (i, state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done, step, acc_h,
+         ver_h) = loop[:13]
         active = ~done
         ell = jnp.where(active, jnp.clip(n - count - 1, 0, k), 0)
         anchor = jnp.take_along_axis(pend_ids, jnp.maximum(pend_n - 1, 0)[:, None], 1)[:, 0]
-        drafts, q, mstate = spec.draft(params, mstate, pend_streams, pend_ids,
-                                       jnp.where(active, pend_n, 0), k, sampling, step)
+        pending = jnp.where(active, pend_n, 0)
+        if constrained:  # grammar masks at every draft slot, one host call per slot
+            def host(x):
+                return io_callback(structured.host_draft,
+                                   (jax.ShapeDtypeStruct((B, loop[13].shape[-1]), jnp.uint32),
+                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
+                                   session, x, active, ordered=False)
+            drafts, q, mstate, dmasks, dstop = spec.draft(
+                params, mstate, pend_streams, pend_ids, pending, k, sampling, step,
+                constrain=(loop[13], host))
+            # Slots after a drafted EOS / dead end are not admitted (decided from x_j, §2.5).
+            first_stop = jnp.where(jnp.any(dstop, 1), jnp.argmax(dstop, 1) + 1, k)
+            ell = jnp.minimum(ell, first_stop)
+        else:
+            drafts, q, mstate = spec.draft(params, mstate, pend_streams, pend_ids, pending, k,
+                                           sampling, step)
         ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
         logits, new_state, streams = transformer.forward_chunk(
             params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True)
+        if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
+            logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
         tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
         n_emit = jnp.where(active, g + 1, 0)
         is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
         hit = jnp.any(is_stop, axis=1)
         n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
+        extra = ()
+        if constrained:  # roll the matchers back to the accepted drafts, consume the rest
+            next_masks, ended, n_keep = io_callback(
+                structured.host_commit,
+                (jax.ShapeDtypeStruct(loop[13].shape, jnp.uint32),
+                 jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.int32)),
+                session, tokens, g, n_out, active, ordered=False)
+            ended = ended & active
+            n_out = jnp.where(active, jnp.minimum(n_out, n_keep), 0)
+            hit = hit | ended
+            extra = (next_masks, loop[14] | ended)
         idx = jnp.where(j < n_out[:, None], count[:, None] + j, n + K1)
         out = out.at[rows, idx].set(tokens, mode="drop")
         lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
@@ -474,24 +528,31 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
         ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
         done = done | hit | (count >= n)
         return (i + 1, state, mstate, streams, tokens, jnp.where(done, 0, n_emit), out, logp,
-                count, done, step + active.astype(jnp.int32), acc_h, ver_h)
+                count, done, step + active.astype(jnp.int32), acc_h, ver_h) + extra
 
     init = (jnp.int32(0), state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done,
             jnp.zeros((B,), jnp.int32), hist, hist)
+    init += (masks, ended) if constrained else ()
     loop = jax.lax.while_loop(cond, body, init)
-    out, logp, count, done, acc_h, ver_h = loop[6:10] + loop[11:]
+    out, logp, count, done, acc_h, ver_h = loop[6:10] + loop[11:13]
     last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
     stopped = (count > 0) & jnp.isin(last, stops)     # rows end right after their stop token
+    if constrained:
+        stopped = stopped | loop[14]
     return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h
 
 
 def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens, temperature,
                           top_k, top_p, min_p, seed, stop_tokens, return_logprobs, pad_id,
-                          prefill_chunk, max_len, window_slots, drafter=None,
-                          verify_len="fixed", verify_cost=None) -> GenerateOutput:
+                          prefill_chunk, max_len, window_slots, constraint=None,
+                          tokenizer=None, drafter=None, verify_len="fixed",
+                          verify_cost=None) -> GenerateOutput:
     from deepinfer_fn.api import mesh_context
     cfg = params.config
     if method == "dspark":
+        if constraint is not None:
+            raise NotImplementedError("speculative='dspark' with a constraint is not supported "
+                                      "yet (speculative='mtp' is)")
         return _dspark_generate(
             params, tokens, lengths, drafter=drafter, k=k, verify_len=verify_len,
             verify_cost=verify_cost, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -512,6 +573,11 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
     k = int(k)
     B = tokens.shape[0]
     sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
+    constrained = None
+    if constraint is not None:  # compiled per request on the host; a bad grammar fails its row
+        constrained = structured.ConstrainedBatch.build(
+            constraint, B, structured.default_tokenizer() if tokenizer is None else tokenizer,
+            cfg.vocab_size)
     capacity = max_len or min(_bucket(int(lengths.max()) + max_new_tokens + k + 1),
                               cfg.max_position_embeddings)
     # Rejected drafts must not overwrite live ring entries: sliding_window + k slots.
@@ -521,11 +587,24 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
     logits, last_streams, state, mstate = _spec_prefill(params, state, mstate, tokens, lengths,
                                                         prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    out, logp, count, stopped, acc, ver = _spec_decode(
-        params, state, mstate, logits, last_streams, jnp.zeros((B,), bool), sampling, pad,
-        n=max_new_tokens, k=k, stop_tokens=stop_tokens)
-    return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
-                          accepted=acc, verified=ver)
+    kw = dict(n=max_new_tokens, k=k, stop_tokens=stop_tokens)
+    if constrained is None:
+        out, logp, count, stopped, acc, ver = _spec_decode(
+            params, state, mstate, logits, last_streams, jnp.zeros((B,), bool), sampling, pad,
+            **kw)
+        return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
+                              accepted=acc, verified=ver)
+    masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
+    sid = structured.register(constrained)
+    try:
+        out, logp, count, stopped, acc, ver = _spec_decode(
+            params, state, mstate, logits, last_streams, jnp.asarray(failed), sampling, pad,
+            jnp.asarray(masks), jnp.int32(sid), **kw)
+        stopped = np.asarray(stopped) | failed   # waits for the loop: the matchers are final
+    finally:
+        structured.unregister(sid)
+    return GenerateOutput(out, count, jnp.asarray(stopped), logp if return_logprobs else None,
+                          constrained.statuses(), accepted=acc, verified=ver)
 
 
 # --- speculative decoding (DSpark drafter) -----------------------------------------------

@@ -47,6 +47,7 @@ stable sort per row is shared by top-k and top-p. H200: B = 64 0.3 ms (temperatu
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
 import jax
 import jax.numpy as jnp
@@ -106,14 +107,22 @@ def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def sampling_params(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
-                    seed=0) -> SamplingParams:
-    """Per-row `SamplingParams` for a batch; each argument is a scalar (broadcast) or a sequence.
+def scalar_sampling_ok(temperature=0.0, top_k=None, top_p=None, min_p=None, seed=0) -> bool:
+    """Fast host path for one row of plain Python numbers: True when `check_sampling` accepts
+    them (False means "not known to be valid": call check_sampling for the error)."""
+    vals = (temperature, 0 if top_k is None else top_k, 1.0 if top_p is None else top_p,
+            0.0 if min_p is None else min_p, seed)
+    if not all(type(v) in (int, float) for v in vals) or not all(map(math.isfinite, vals)):
+        return False
+    t, k, p, m, s = vals
+    return (t >= 0 and k == int(k) and 0 <= k <= np.iinfo(np.int32).max and 0 < p <= 1
+            and 0 <= m < 1 and s == int(s) and 0 <= s < 2**32)
 
-    None disables a filter (top_k 0, top_p 1.0, min_p 0.0). Raises ValueError on a wrong length
-    or a value out of range: temperature >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1),
-    seed in [0, 2**32).
-    """
+
+def check_sampling(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
+                   seed=0) -> tuple[np.ndarray, ...]:
+    """Host-only validation of `sampling_params`' arguments (no device work): numpy
+    (temperature, top_k, top_p, min_p, seed) arrays [batch], or ValueError (same rules)."""
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     batch = int(batch)
@@ -132,6 +141,18 @@ def sampling_params(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=N
         raise ValueError(f"min_p must be in [0, 1) (0 = off), got {m.tolist()}")
     if np.any(s < 0) or np.any(s >= 2**32):
         raise ValueError(f"seed must be in [0, 2**32), got {s.astype(np.int64).tolist()}")
+    return t, k, p, m, s
+
+
+def sampling_params(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
+                    seed=0) -> SamplingParams:
+    """Per-row `SamplingParams` for a batch; each argument is a scalar (broadcast) or a sequence.
+
+    None disables a filter (top_k 0, top_p 1.0, min_p 0.0). Raises ValueError on a wrong length
+    or a value out of range: temperature >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1),
+    seed in [0, 2**32).
+    """
+    t, k, p, m, s = check_sampling(batch, temperature, top_k, top_p, min_p, seed)
     return SamplingParams(
         temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
         top_p=jnp.asarray(p, jnp.float32), min_p=jnp.asarray(m, jnp.float32),

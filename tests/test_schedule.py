@@ -3,8 +3,16 @@
 Model-free and fast:
 * padded scheduler: flat cost -> verify everything; steep cost -> shorter; shorter as load
   grows; equals brute force over the column count S when the cost is affine/convex;
-  deterministic; inactive rows 0; caps respected;
-* VerifyCost: isotonic fit, interpolation, save/load;
+  deterministic; inactive rows 0; caps respected; stops at the first bump of a jagged cost;
+* packed schedulers: the synchronous early stop equals brute force (affine/convex cost) and
+  its allocation equals the device top-(C-R) allocation; tie rule; stale-capacity full search;
+* VerifyCost: isotonic fit (vs brute force), interpolation, save/load; measuring it (heavy);
+* losslessness through the REAL verifier: the Appendix-A counterexample (early stop -> (0.7,
+  0.3); a retrospective scheduler -> (0.85, 0.15), the negative control); a multi-row toy
+  whose confidences read the previous draft, under random lengths and every scheduler
+  (chi-square of the first two emitted tokens), with negative controls that must be caught
+  (reused acceptance uniform, correction drawn from p, a look-ahead scheduler);
+* STS calibration: recovers known temperatures, never worsens held-out ECE; metric definitions.
 """
 
 import functools
@@ -176,6 +184,13 @@ def test_isotonic_matches_brute_force():
                 if best is None or err < best[0] - 1e-12:
                     best = (err, fit)
         np.testing.assert_allclose(sch.isotonic_increasing(y, w), best[1], atol=1e-9)
+
+
+def test_knee_tokens():
+    cost = sch.VerifyCost.from_tokens([1, 64, 128, 256, 512, 1024],
+                                      [1.0, 1.0, 1.01, 1.3, 2.0, 3.4], G)
+    assert cost.knee_tokens() == 128          # slope 0.0023 >= half of the last 0.0027
+    assert sch.flat_cost(G, batches=(4, 8)).knee_tokens() is None
 
 
 def test_verify_cost_fit_interp_and_save(tmp_path):
@@ -538,3 +553,48 @@ def test_negative_controls_are_detected():
     print(f"\nnegative controls: {ps}")
     assert ps["none"] > 1e-3
     assert ps["reuse"] < 1e-6 and ps["p_correction"] < 1e-6
+
+
+def test_retrospective_scheduler_detected_by_real_verifier():
+    """The multi-row harness also catches a scheduler that looks ahead (each row's global
+    argmax over its verify length, whose survivals read the drafts they admit), while the
+    early-stopping scheduler on the same confidences and costs stays lossless. Confidences
+    as in Appendix A: high after some tokens, ~0 after the others."""
+    toy = _toy_setup()
+    z = np.asarray([2.2, -6.0, 2.2, -6.0], np.float32)[toy["x"][:, :TG]]
+    step = np.asarray([1.0, 2.0, 2.2, 2.4], np.float32)
+    early = jax.jit(jax.vmap(lambda zr: sch.padded_verify_len(
+        zr[None], jnp.ones(TG), jnp.ones(1, bool), jnp.full(1, TG), step, 0.0)[0]))
+    ps = {}
+    for name, ell in (("retrospective", jax.jit(retrospective_len)(z, jnp.asarray(step))),
+                      ("early stop", early(z))):
+        ell = np.asarray(ell).astype(np.int32)
+        tokens, g = map(np.asarray, _verify_jit(toy["p_logits"], toy["drafts"], toy["q_logits"],
+                                                _sampling(TROWS, 1000),
+                                                jnp.zeros((TROWS,), jnp.int32), ell))
+        ps[name] = _toy_emitted(toy, tokens, g)
+        print(f"\n{name}: ell histogram {np.bincount(ell, minlength=TG + 1)}, p = {ps[name]:.3g}")
+    assert ps["retrospective"] < 1e-6
+    assert ps["early stop"] > 1e-3
+
+
+def test_run_with_columns_runs_only_s_columns():
+    """The branch for S sees exactly ids[:, :S]; per-token outputs are padded back to K with
+    zeros; the S-independent part passes through; S = 1 + max active ell."""
+    K = 4
+    ids = jnp.arange(3 * K, dtype=jnp.int32).reshape(3, K) + 1
+
+    def fn(ids_s):
+        per_token = {"x": ids_s * 10, "y": jnp.stack([ids_s, -ids_s], -1)}
+        return per_token, jnp.sum(ids_s, axis=1) + 100 * ids_s.shape[1]
+
+    f = jax.jit(lambda ids, s: sch.run_with_columns(fn, ids, s))
+    for S in range(1, K + 1):
+        (tok, rest) = f(ids, jnp.int32(S))
+        want = np.where(np.arange(K)[None] < S, np.asarray(ids), 0)
+        np.testing.assert_array_equal(tok["x"], want * 10)
+        np.testing.assert_array_equal(tok["y"][..., 1], -want)
+        np.testing.assert_array_equal(rest, want.sum(1) + 100 * S)
+    ell = jnp.asarray([0, 2, 3]), jnp.asarray([True, True, False])
+    assert int(sch.verify_columns(*ell)) == 3
+    assert int(sch.verify_columns(jnp.zeros(3, jnp.int32), jnp.zeros(3, bool))) == 1

@@ -25,7 +25,7 @@ def _gather_tokens(ext, idx):
 
 
 def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
-                     st: dict, prefix: str = ""):
+                     st: dict, prefix: str = "", row_floor=None):
     """Advances one compressor over a chunk: emits the rows of every window the chunk
     completes (at index = global window number, RoPE at m * w, §4.3, §4.8) and writes the
     chunk's raw per-token inputs into the compressor ring.
@@ -37,7 +37,9 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     Nothing is "rolled": every read is addressed by position, so moving `lengths` back over
     rejected tokens is a complete rollback as long as R_c leaves room for them (state.py).
 
-    x [B,S,D]; start/n_new [B]. Returns the updated entries.
+    x [B,S,D]; start/n_new [B]. row_floor [B] (optional, token positions, a multiple of m):
+    rows of windows starting below it are not written (they already hold exact shared rows:
+    the engine's prefix-cache replay, spec/model.md §7). Returns the updated entries.
     """
     B, S, _ = x.shape
     m = ratio
@@ -72,6 +74,8 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     else:
         pooled = pool_windows(win_kv, win_gate, False)
     complete = (win + 1) * m <= end[:, None]           # [B, n_win]
+    if row_floor is not None:
+        complete &= win >= (row_floor // m)[:, None]
     new_rows = finish_rows(p, pooled, win, m, freqs, eps).astype(st[prefix + "rows"].dtype)
     cap = st[prefix + "rows"].shape[1]
     target = jnp.where(complete, win, cap)             # out of range -> dropped
@@ -87,8 +91,13 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     return out
 
 
-def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelConfig):
-    """Attention of a chunk against the layer state: (out [B,S,D], new layer state)."""
+def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelConfig,
+                    row_floor=None):
+    """Attention of a chunk against the layer state: (out [B,S,D], new layer state).
+
+    row_floor [B] (optional): compressed rows (main and indexer) of windows starting below
+    this position are kept as they are in the state instead of being rewritten
+    (`compressor_chunk`)."""
     B, S, _ = x.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)
     valid = jnp.arange(S)[None] < n_new[:, None]
@@ -108,13 +117,14 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     if layer_type in (CSA, HCA):
         m = cfg.compress_ratio_of(layer_type)
         new.update(compressor_chunk(p["compressor"], x, start, n_new, m, layer_type == CSA,
-                                    freqs, cfg.rms_norm_eps, st))
+                                    freqs, cfg.rms_norm_eps, st, row_floor=row_floor))
         rows = new["rows"]
         visible = jnp.arange(rows.shape[1])[None, None] < ((positions + 1) // m)[:, :, None]
         if layer_type == CSA:
             ip = p["indexer"]
             new.update(compressor_chunk(ip["compressor"], x, start, n_new, m, True, freqs,
-                                        cfg.rms_norm_eps, st, prefix="index_"))
+                                        cfg.rms_norm_eps, st, prefix="index_",
+                                        row_floor=row_floor))
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, new["index_rows"])
             row_idx = top_k_rows(scores, visible, cfg.index_topk)

@@ -64,7 +64,7 @@ def head_logits(hc_head, norm, head, streams, cfg: ModelConfig):
                       precision=jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None)
 
 
-def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False,
+def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, row_floor=None,
                   taps: tuple[int, ...] | None = None, tap: str = "post"):
     """Processes a chunk against a decode state (prefill chunk, decode step, or k-token verify).
 
@@ -72,6 +72,8 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False,
     Returns (logits, new_state, streams): logits float32 [B,S,V] if all_logits, else the
     logits of each row's last valid token [B,V] (rows with n_new = 0: garbage, state
     unchanged); streams [B,S,n,D] the final residual streams (MTP input).
+    row_floor [B] int32 (optional): compressed rows of windows starting below this position
+    are not rewritten (prefix-cache replay keeps the shared exact rows, spec/model.md §7).
 
     taps (layer ids, DSpark target features, spec/dspark.md §1.2): also return a 4th output,
     features [B,S,len(taps),D], each the residual streams averaged over the n mHC copies,
@@ -100,7 +102,7 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False,
             tapped[i] = streams.mean(axis=2)
         streams, new_ls = sublayer(
             lp["hc_attn"], lp["attn_norm"], streams,
-            lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg), cfg)
+            lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg, row_floor), cfg)
         streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
                               lambda h: (moe_layer(lp["ffn"], h, token_ids, mt, cfg), None), cfg)
         if taps is not None and tap == "post" and i in taps:

@@ -102,7 +102,7 @@ def draw(logits, sampling: SamplingParams, step, slot):
 
 
 def draft(params, mstate: DecodeState, streams, next_ids, n_new, k: int,
-          sampling: SamplingParams, step, *, depth: int = 0):
+          sampling: SamplingParams, step, *, depth: int = 0, constrain=None):
     """k draft tokens per row (module docstring).
 
     streams [B,S,n,D] / next_ids [B,S] / n_new [B]: the committed positions the MTP has not
@@ -111,24 +111,53 @@ def draft(params, mstate: DecodeState, streams, next_ids, n_new, k: int,
     the request-local step counter for the draft keys.
     Returns (drafts int32 [B,k], q_logits f32 [B,k,V] (processed logits the drafts were drawn
     from), new MTP state with lengths = old + n_new).
+
+    constrain = (masks uint32 [B,W], host): grammar masks at every draft position
+    (deepinfer_fn/structured.py, "speculative decoding"). Draft j + 1 is drawn from the MTP
+    logits under the packed allowed-token mask m_j (m_0 = `masks`, the grammar state after the
+    committed tokens), so q_{j+1} -- the returned processed logits -- is the masked
+    distribution actually sampled from; then `host(x_{j+1}) -> (m_{j+1} uint32 [B,W], stop
+    bool [B])` advances the grammar (an io_callback). Also returns the masks m_0..m_k
+    uint32 [B,k+1,W] (for the target's p~_0..p~_k) and stop bool [B,k].
     """
+    from deepinfer_fn.structured import unpack_bitmask
+
+    def pick(logits, masks, slot):
+        if constrain is None:
+            return draw(logits, sampling, step, slot)
+        allowed = unpack_bitmask(masks, logits.shape[-1])
+        return draw(jnp.where(allowed, logits, -jnp.inf), sampling, step, slot)
+
+    def advance(x):
+        return constrain[1](x) if constrain is not None else (None, None)
+
+    m0 = None if constrain is None else constrain[0]
     logits, mstate, out = mtp_chunk(params, mstate, streams, next_ids, n_new, depth=depth)
     committed = mstate.lengths
     last = jnp.clip(n_new - 1, 0, streams.shape[1] - 1)
     h = jnp.take_along_axis(out, last[:, None, None, None], axis=1)     # [B,1,n,D]
-    x, q = draw(logits, sampling, step, 0)
+    x, q = pick(logits, m0, 0)
+    m1, stop1 = advance(x)
     if k == 1:
-        return x[:, None], q[:, None], mstate
+        extra = () if constrain is None else (jnp.stack([m0, m1], 1), stop1[:, None])
+        return (x[:, None], q[:, None], mstate) + extra
     active = (n_new > 0).astype(jnp.int32)
 
     def chain(carry, slot):
-        mst, h, x = carry
+        mst, h, x, m = carry
         logits, mst, h = mtp_chunk(params, mst, h, x[:, None], active, depth=depth)
-        x, q = draw(logits, sampling, step, slot)
-        return (mst, h, x), (x, q)
+        x, q = pick(logits, m, slot)
+        m, stop = advance(x)
+        return (mst, h, x, m), (x, q, m, stop)
 
-    (mst, _, _), (xs, qs) = jax.lax.scan(chain, (mstate, h, x), jnp.arange(1, k))
+    (mst, _, _, _), (xs, qs, ms, stops) = jax.lax.scan(chain, (mstate, h, x, m1),
+                                                       jnp.arange(1, k))
     drafts = jnp.concatenate([x[:, None], xs.T], axis=1)
     q = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     # The chained entries (positions committed .. committed + k - 2) are speculative.
-    return drafts, q, dataclasses.replace(mst, lengths=committed)
+    mst = dataclasses.replace(mst, lengths=committed)
+    if constrain is None:
+        return drafts, q, mst
+    masks = jnp.concatenate([m0[:, None], m1[:, None], jnp.moveaxis(ms, 0, 1)], axis=1)
+    stop = jnp.concatenate([stop1[:, None], stops.T], axis=1)
+    return drafts, q, mst, masks, stop

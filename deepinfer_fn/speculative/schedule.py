@@ -22,6 +22,8 @@ Contents:
   (`transformer.forward_chunk`): a shorter row saves compute only when the whole batch's
   column count S shrinks, so it chooses S (1..g+1) by the early-stopping scan over columns
   with the measured cost of S columns, and ell_r = min(S - 1, cap_r).
+* `verify_columns` / `run_with_columns`: run the verify forward on S = 1 + max ell columns
+  (`lax.switch` over the static widths) so that the saving the scheduler counts on happens.
 * `VerifyCost`: the measured verify step time vs (batch rows, columns) (or vs tokens),
   isotonic in the columns, interpolated between measured batches, saved/loaded as JSON;
   `measure_verify_cost` times the target's verify forward on the current device.
@@ -105,6 +107,34 @@ def padded_verify_len(conf_logits, temps, active, cap, step_seconds, overhead_se
     improves = theta[1:] > theta[:-1] * (1.0 + jnp.float32(eps))                    # [g]
     S = 1 + jnp.sum(jnp.cumprod(improves.astype(jnp.int32)))                        # early stop
     return jnp.where(active, jnp.minimum(S - 1, cap), 0).astype(jnp.int32)
+
+
+def verify_columns(ell, active):
+    """S int32: the column count a padded verify forward needs for lengths ell [B] (the
+    anchor + the longest active row's drafts), at least 1."""
+    return 1 + jnp.max(jnp.where(jnp.asarray(active, bool), jnp.asarray(ell, jnp.int32), 0))
+
+
+def run_with_columns(fn, ids, n_columns):
+    """Runs `fn` on the first S = n_columns columns of ids [B, K] only, so a padded verify
+    forward costs S columns, not K (the saving `padded_verify_len` assumes).
+
+    n_columns: traced int32 in 1..K (clipped), e.g. `verify_columns(ell, active)`. fn(ids_S
+    [B, S]) -> (per_token, rest): per_token a pytree of arrays [B, S, ...] (logits, streams,
+    taps), padded back to K columns with zeros; rest a pytree whose shapes do not depend on
+    S (the new decode state). Implemented as `lax.switch` over the K static widths: every
+    width is compiled once (K branches in the program), one runs per step."""
+    B, K = ids.shape
+
+    def branch(s):
+        def run(ids):
+            per_token, rest = fn(ids[:, :s])
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, K - s)] + [(0, 0)] * (x.ndim - 2))
+            return jax.tree.map(pad, per_token), rest
+        return run
+
+    index = jnp.clip(jnp.asarray(n_columns, jnp.int32), 1, K) - 1
+    return jax.lax.switch(index, [branch(s) for s in range(1, K + 1)], ids)
 
 
 # --- isotonic fit -----------------------------------------------------------------------------
@@ -221,6 +251,18 @@ class VerifyCost:
             slope = max((sec[-1] - sec[-2]) / (tok[-1] - tok[-2]), 0.0)
             y = np.where(x > tok[-1], sec[-1] + slope * (x - tok[-1]), y)
         return y
+
+    def knee_tokens(self) -> float | None:
+        """Token count where the cost curve's slope first reaches half of its large-B slope
+        (the last segment of the token curve) -- spec §4.3 step 2; None when the curve never
+        rises (flat: the knee lies beyond the measured range)."""
+        tok, sec = self.token_curve()
+        if len(tok) < 2:
+            return None
+        slopes = np.diff(sec) / np.diff(tok)
+        if slopes[-1] <= 0:
+            return None
+        return float(tok[int(np.argmax(slopes >= 0.5 * slopes[-1]))])
 
     def step_seconds_for(self, batch: int) -> np.ndarray:
         """float32 [gamma+1]: verify time with S = 1..gamma+1 columns at `batch` rows

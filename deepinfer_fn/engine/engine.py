@@ -1,0 +1,418 @@
+"""The offline engine (issue 5): many requests, continuous batching, paged state, prefix cache
+with SWA bounded replay, asynchronous scheduling, metrics, progress.
+
+    engine = Engine(params, max_batch=16, max_tokens_per_step=512)
+    outs = engine.generate([[1, 2, 3], Request([4, 5], max_new_tokens=8, temperature=0.7)])
+    for ev in engine.stream(requests): ...          # StreamEvent per newly known tokens
+
+Each step: the host `Scheduler` picks decode rows and chunked-prefill rows under
+`max_tokens_per_step`, allocates pages (evicting cache leaves, preempting by recompute when the
+pool is full); the device runs one `step.substep` per sub-batch (prefill [rows, width] from a
+few compiled shapes, decode [Db, 1] from a few bucket sizes) with the state donated.
+
+Asynchronous scheduling (default): step s is dispatched, then the host reads step s-1's tokens
+and prepares step s+1 while the device runs step s; decode inputs stay on the device
+(`PagedState.last_token`), so only stop detection lags by one step (the extra token of a
+finished row is discarded). `async_scheduling=False` waits for every step before preparing the
+next. The two modes give the same tokens whenever a row's result does not depend on its batch
+neighbours (tested in f32 on CPU; the one-step lag changes batch compositions, so bf16 on a GPU
+is only guaranteed identical under batch-invariant numerics).
+
+Prefix cache (`prefix_cache=True`): full prompt blocks are inserted into a radix tree as soon as
+the step that completes them is dispatched; an admitted request sharing a cached prefix of h
+tokens (page-aligned) reuses those pages and rebuilds its window ring and compressor rings by
+replaying the `replay_tokens` (R, default 128) tokens before h with the shared rows kept
+(spec/model.md §7, "bounded replay"; approximate: replayed positions see a truncated window).
+`replay_tokens=None` is the exact mode: the replay starts at position 0 (identical tokens to no
+cache; only the row pool is shared, no prefill saved).
+
+Design notes / deviations from the suggested design:
+* Exact mode recomputes from position 0 instead of restoring a stored window snapshot at the
+  page boundary: no extra per-block storage (the ~45 KB/token the architecture avoids, §7).
+* Rows written after a bounded-replay hit (and cached in turn) inherit its approximation (the
+  "leak" of spec/model-v41.md §4.3); a preempted request resumes through the cache too, so with
+  the cache on and sequences longer than R its continuation is approximate. Use
+  `replay_tokens=None` or `prefix_cache=False` for exactness.
+* A step is two device calls (prefill, decode), not one fused program: compiled shapes grow as
+  (#prefill shapes + #decode buckets) rather than their product; both are issued back to back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_fn.config import CSA, HCA
+from deepinfer_fn.engine.pages import PageAllocator
+from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state
+from deepinfer_fn.engine.radix import RadixCache
+from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
+                                          validate)
+from deepinfer_fn.engine.scheduler import Scheduler, Seq, StepPlan, bucket, buckets_up_to
+from deepinfer_fn.engine.step import substep_packed
+from deepinfer_fn.params import Params, count_params
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """New tokens of one request (`tokens` = those not reported before); `output` is the final
+    RequestOutput when the request finished with this event, else None."""
+
+    request_id: object
+    index: int
+    tokens: list[int]
+    output: RequestOutput | None = None
+
+
+@dataclasses.dataclass
+class RunMetrics:
+    """Per `generate`/`stream` call. throughput = generated tokens / wall seconds;
+    mean_decode_occupancy = mean decode rows per step / max_batch; prefill_tokens_saved =
+    prompt positions not computed thanks to the prefix cache (hits minus replay);
+    prefill_flops_saved ~ 2 x active parameters x saved tokens (matmul FLOPs; attention
+    scores excluded). Idle figures only with Engine(measure_idle=True): device idle between
+    consecutive steps = max(0, dispatch of step s+1 - completion of step s), summed over steps
+    whose shapes were already compiled."""
+
+    requests: int = 0
+    wall_s: float = 0.0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    cache_hit_tokens: int = 0
+    replayed_tokens: int = 0
+    prefill_tokens_saved: int = 0
+    prefill_flops_saved: float = 0.0
+    preemptions: int = 0
+    mean_decode_occupancy: float = 0.0
+    throughput_tokens_per_s: float = 0.0
+    idle_total_s: float = float("nan")
+    idle_mean_s: float = float("nan")
+    idle_steps_measured: int = 0
+
+
+class _IdleWatcher:
+    """Records when each dispatched step's outputs become ready (a background thread), next to
+    when the step's first device call was issued."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+        self.records: list[tuple[float, float, bool]] = []   # (dispatched, ready, compiled)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            arrays, t_dispatch, compiled = item
+            jax.block_until_ready(arrays)
+            self.records.append((t_dispatch, time.perf_counter(), compiled))
+
+    def close(self):
+        self.q.put(None)
+        self.thread.join()
+
+    def idle(self) -> tuple[float, int]:
+        total, n = 0.0, 0
+        for (d0, r0, c0), (d1, r1, c1) in zip(self.records, self.records[1:]):
+            if c0 or c1:
+                continue
+            total += max(0.0, d1 - r0)
+            n += 1
+        return total, n
+
+
+class Engine:
+    """Offline engine over `params` (see the module docstring).
+
+    max_batch: slots (requests running at once); max_tokens_per_step: token budget of one step
+    (decode rows count 1, prefill rows their chunk's real tokens); page_size: tokens per page
+    (a multiple of every compression ratio; default their lcm); max_len: context limit per
+    request (rounded up to pages; default min(4096, max_position_embeddings)); num_pages: pool
+    size (default: enough for max_batch full-length requests, i.e. no preemption);
+    prefill_chunk: the widest prefill row (default min(256, max_tokens_per_step));
+    prefill_shapes: the (rows, width) prefill sub-batch shapes to compile; each step uses the
+    one that moves the most prompt tokens under the budget (default: (1, chunk) and, for
+    widths chunk and chunk // 4, (budget // width rows, width)); decode_buckets: decode row
+    counts to compile (default powers of two up to max_batch). Every shape is one compiled
+    sub-step (`warmup()` compiles them all up front).
+    prefix_cache, replay_tokens (None = exact mode): module docstring; async_scheduling: on by
+    default; progress: a tqdm bar; measure_idle: record device idle time between steps.
+    """
+
+    def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
+                 page_size: int | None = None, max_len: int | None = None,
+                 num_pages: int | None = None, prefill_chunk: int | None = None,
+                 prefill_shapes=None, decode_buckets=None, prefix_cache: bool = True,
+                 replay_tokens: int | None = 128, async_scheduling: bool = True,
+                 window_slots: int | None = None, progress: bool = True,
+                 measure_idle: bool = False):
+        if not isinstance(params, Params):
+            raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+        cfg = params.config
+        self.params, self.cfg = params, cfg
+        ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
+        if page_size is None:
+            page_size = math.lcm(*ratios) if ratios else 16
+        check_page_size(cfg, page_size)
+        for name, v in (("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        max_len = max_len or min(4096, cfg.max_position_embeddings)
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
+        max_pages = -(-max_len // page_size)
+        num_pages = num_pages or max_batch * max_pages + 1
+        chunk = min(prefill_chunk or 256, max_tokens_per_step)
+        if prefill_shapes is None:
+            widths = sorted({chunk, max(16, chunk // 4)})
+            prefill_shapes = {(1, chunk)} | {(min(max_batch, max(1, max_tokens_per_step // w)), w)
+                                             for w in widths}
+        prefill_shapes = tuple(sorted((int(r), int(w)) for r, w in prefill_shapes))
+        if not prefill_shapes or any(r < 1 or w < 1 or r > max_batch for r, w in prefill_shapes):
+            raise ValueError(f"prefill_shapes {prefill_shapes}: (rows, width) pairs with "
+                             f"1 <= rows <= max_batch={max_batch}")
+        decode_buckets = tuple(sorted(decode_buckets or
+                                      buckets_up_to(min(max_batch, max_tokens_per_step))))
+        if decode_buckets[-1] < min(max_batch, max_tokens_per_step):
+            raise ValueError(f"decode_buckets {decode_buckets} must reach "
+                             f"min(max_batch, max_tokens_per_step)")
+        if replay_tokens is not None and replay_tokens < cfg.csa_ratio:
+            raise ValueError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
+                             f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
+        self.max_batch, self.page_size, self.max_len = max_batch, page_size, max_pages * page_size
+        self.async_scheduling, self.progress = async_scheduling, progress
+        self.measure_idle = measure_idle
+        self.replay_tokens, self.use_cache = replay_tokens, prefix_cache
+        self.prefill_shapes, self.decode_buckets = prefill_shapes, decode_buckets
+        self.pages = PageAllocator(num_pages)
+        self.cache = RadixCache(page_size, self.pages) if prefix_cache else None
+        self.scheduler = Scheduler(max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
+                                   prefill_shapes=prefill_shapes, page_size=page_size,
+                                   max_pages=max_pages, pages=self.pages, cache=self.cache,
+                                   replay_tokens=replay_tokens)
+        self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=num_pages,
+                                      page_size=page_size, max_pages=max_pages,
+                                      dtype=params.dtype, window_slots=window_slots)
+        self._active_params = count_params(cfg)["active"]
+        self._cancel_lock = threading.Lock()
+        self._cancelled: set = set()
+        self._shapes_seen: set = set()
+        self.last_run = RunMetrics()
+
+    # ------------------------------------------------------------------ public
+    def generate(self, requests: Iterable, *, max_new_tokens: int = 16) -> list[RequestOutput]:
+        """One RequestOutput per request, in order. Items: token-id sequences (with
+        `max_new_tokens`, greedy) or `Request` objects."""
+        outs: dict[int, RequestOutput] = {}
+        for ev in self._run(requests, max_new_tokens, partial_events=False):
+            if ev.output is not None:
+                outs[ev.index] = ev.output
+        return [outs[i] for i in range(len(outs))]
+
+    def cancel(self, request_id) -> None:
+        """Cancels a request (thread-safe; takes effect at the next step). Its output gets
+        finish_reason "cancelled" with the tokens produced so far."""
+        with self._cancel_lock:
+            self._cancelled.add(request_id)
+
+    def stream(self, requests: Iterable, *, max_new_tokens: int = 16) -> Iterator[StreamEvent]:
+        """Runs the requests, yielding a StreamEvent whenever tokens become known on the host
+        (and one final event per request, `output` set). Closing the iterator early drains the
+        engine: in-flight steps finish, unfinished requests are cancelled."""
+        return self._run(requests, max_new_tokens, partial_events=True)
+
+    def _run(self, requests: Iterable, max_new_tokens: int,
+             partial_events: bool) -> Iterator[StreamEvent]:
+        """`stream`; partial_events=False yields only the final event of each request."""
+        reqs = [as_request(r, max_new_tokens) for r in requests]
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        base = dict(steps=0, decode_rows=0, pre=sched.preemptions, hit=sched.cache_hit_tokens,
+                    prefill=sched.prefill_tokens)
+        seqs, emitted, pending_events = [], {}, []
+        for i, r in enumerate(reqs):
+            prompt, err = validate(r, self.cfg.vocab_size, self.max_len,
+                                   self.pages.capacity * self.page_size)
+            seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
+            seqs.append(seq)
+            if err is not None:
+                seq.finish = "error"
+                pending_events.append(StreamEvent(r.request_id, i, [], self._output(seq, err)))
+            else:
+                sched.add(seq)
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="engine", unit="req", leave=False)
+        watcher = _IdleWatcher() if self.measure_idle else None
+        pending = None
+        try:
+            for ev in pending_events:
+                if bar is not None:
+                    bar.update(1)
+                yield ev
+            stall = 0
+            while sched.has_work() or pending is not None:
+                self._apply_cancels()
+                plan = sched.schedule()
+                outs = self._dispatch(plan, watcher) if plan else None
+                if outs is not None:
+                    base["steps"] += 1
+                    base["decode_rows"] += len(plan.decode)
+                if pending is not None:
+                    yield from self._collect(pending, emitted, bar, partial_events)
+                    pending = None
+                if outs is not None and not self.async_scheduling:
+                    yield from self._collect(outs, emitted, bar, partial_events)
+                    outs = None
+                pending = outs
+                if plan or pending is not None:
+                    stall = 0
+                    continue
+                yield from self._drain_finished(emitted, bar)
+                if sched.has_work():        # nothing schedulable and nothing in flight
+                    stall += 1
+                    if self.cache is not None:
+                        self.cache.evict(self.pages.num_pages)
+                    if stall > 1 and not sched.running:
+                        sched._finish(sched.waiting.popleft(), "error")
+            yield from self._drain_finished(emitted, bar)
+        finally:
+            if pending is not None:        # early close: finish the in-flight step
+                jax.block_until_ready(pending)
+                pending = None
+            if sched.has_work():
+                sched.cancel({s.req.request_id for s in list(sched.waiting) + sched.running})
+                sched.finished.clear()
+            if bar is not None:
+                bar.close()
+            idle = watcher.idle() if watcher else (float("nan"), 0)
+            if watcher:
+                watcher.close()
+            self._record_run(seqs, t0, base, idle)
+
+    # ------------------------------------------------------------------ internals
+    def _apply_cancels(self):
+        with self._cancel_lock:
+            ids, self._cancelled = self._cancelled, set()
+        if ids:
+            self.scheduler.cancel(ids)
+
+    def _dispatch(self, plan: StepPlan, watcher):
+        """Packs both sub-batches (one int32 buffer each), then issues them back to back (no
+        host work between the two device calls). Nothing here waits for the device."""
+        sched = self.scheduler
+        calls, compiled = [], False
+        if plan.prefill:
+            shape = plan.prefill_shape
+            compiled |= shape not in self._shapes_seen
+            self._shapes_seen.add(shape)
+            calls.append((plan.prefill, sched.pack(plan.prefill, *shape)))
+        if plan.decode:
+            shape = (bucket(len(plan.decode), self.decode_buckets), None)
+            compiled |= shape not in self._shapes_seen
+            self._shapes_seen.add(shape)
+            calls.append((plan.decode, sched.pack(plan.decode, *shape)))
+        outs, t_issue = [], None
+        for rows, packed in calls:
+            self.state, out = substep_packed(self.params, self.state, packed)
+            t_issue = t_issue or time.perf_counter()
+            outs.append((rows, out))
+        for _, out in outs:
+            out.copy_to_host_async()        # ready on the host as soon as the step finishes
+        sched.commit_plan(plan)
+        if watcher is not None:
+            watcher.q.put(([o[1] for o in outs], t_issue, compiled))
+        return outs
+
+    def _collect(self, outs, emitted, bar, partial_events=True):
+        now = None
+        for rows, out in outs:
+            out = np.asarray(out)[:len(rows)]           # waits for this step (the only sync)
+            now = time.perf_counter()
+            self.scheduler.commit_results(rows, out[:, 0].tolist(),
+                                          out.view(np.float32)[:, 1].tolist(), now)
+        seen = set()
+        for rows, _ in (outs if partial_events else ()):
+            for row in rows:
+                seq = row.seq
+                if id(seq) in seen or seq.finish is not None:
+                    continue
+                seen.add(id(seq))
+                k = emitted.get(seq.index, 0)
+                if len(seq.generated) > k:
+                    emitted[seq.index] = len(seq.generated)
+                    yield StreamEvent(seq.req.request_id, seq.index, seq.generated[k:])
+        yield from self._drain_finished(emitted, bar)
+
+    def _drain_finished(self, emitted, bar):
+        sched = self.scheduler
+        done, sched.finished = sched.finished, []
+        for seq in done:
+            k = emitted.get(seq.index, 0)
+            emitted[seq.index] = len(seq.generated)
+            err = None
+            if seq.finish == "error":
+                err = "the request could not be scheduled (page pool exhausted)"
+            if bar is not None:
+                bar.update(1)
+            yield StreamEvent(seq.req.request_id, seq.index, seq.generated[k:], self._output(seq, err))
+
+    def _output(self, seq: Seq, err: str | None) -> RequestOutput:
+        n = len(seq.generated)
+        m = RequestMetrics(prompt_tokens=len(seq.prompt), generated_tokens=n,
+                           cached_tokens=seq.cached_tokens, replayed_tokens=seq.replayed_tokens,
+                           preemptions=seq.preemptions)
+        if seq.t_first is not None:
+            m.ttft = seq.t_first - seq.t_submit
+            m.tpot = (seq.t_last - seq.t_first) / (n - 1) if n > 1 else 0.0
+        return RequestOutput(seq.req.request_id, list(seq.generated), seq.finish, err,
+                             list(seq.logprobs), m)
+
+    def _record_run(self, seqs, t0, base, idle):
+        sched = self.scheduler
+        wall = time.perf_counter() - t0
+        gen = sum(len(s.generated) for s in seqs)
+        hit = sched.cache_hit_tokens - base["hit"]
+        replayed = sum(s.replayed_tokens for s in seqs if s.finish != "error")
+        saved = max(0, hit - replayed)
+        steps = base["steps"]
+        self.last_run = RunMetrics(
+            requests=len(seqs), wall_s=wall, steps=steps,
+            prompt_tokens=sum(len(s.prompt) for s in seqs), generated_tokens=gen,
+            prefill_tokens_computed=sched.prefill_tokens - base["prefill"],
+            cache_hit_tokens=hit, replayed_tokens=replayed, prefill_tokens_saved=saved,
+            prefill_flops_saved=2.0 * self._active_params * saved,
+            preemptions=sched.preemptions - base["pre"],
+            mean_decode_occupancy=base["decode_rows"] / max(steps, 1) / self.max_batch,
+            throughput_tokens_per_s=gen / wall if wall > 0 else 0.0,
+            idle_total_s=idle[0], idle_mean_s=idle[0] / idle[1] if idle[1] else float("nan"),
+            idle_steps_measured=idle[1])
+
+    def warmup(self) -> float:
+        """Compiles every sub-step shape (prefill and decode buckets) with all-padding rows,
+        which change nothing; returns the seconds it took."""
+        t0 = time.perf_counter()
+        for n, width in self.prefill_shapes + tuple((n, None) for n in self.decode_buckets):
+            self.state, _ = substep_packed(self.params, self.state,
+                                           self.scheduler.pack([], n, width))
+            self._shapes_seen.add((n, width))
+        jax.block_until_ready(self.state)
+        return time.perf_counter() - t0
+
+    def reset_cache(self) -> None:
+        """Drops every cached prefix block no running request holds."""
+        if self.cache is not None:
+            self.cache.evict(self.pages.num_pages)

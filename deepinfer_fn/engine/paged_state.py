@@ -1,0 +1,92 @@
+"""Device state of the engine: per-slot rings plus paged pools of compressed rows.
+
+The decode state of spec/model.md §3 splits in two (spec §7):
+
+* per slot (one running request), fixed size: the window KV ring (`window_kv`, `window_pos`)
+  and the compressor rings (`raw_kv`, `raw_gate`, and the indexer's `index_raw_*`) of every
+  layer, shaped as `state.DecodeState` lays them out but with the batch axis = `max_batch`
+  slots;
+* shared, growing: the compressed rows (`rows` of CSA/HCA layers, `index_rows` of CSA
+  layers) in per-layer POOLS `[num_pages, page_size // m, d]`. Rows are stored once per token
+  block, not per head (one row serves every head, MQA). A page holds the rows of `page_size`
+  consecutive token positions in every compressed layer (page_size is a multiple of every
+  ratio), so one page id addresses one token block everywhere and a block table
+  `[max_batch, max_pages]` (host side) maps a request's block i to its page.
+
+`last_token [max_batch]` holds each slot's last sampled token, so a decode step's inputs never
+have to come back from the host (asynchronous scheduling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn.config import CSA, HCA, ModelConfig
+from deepinfer_fn.state import layer_state_shapes
+
+POOL_KEYS = ("rows", "index_rows")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedState:
+    slots: tuple[dict[str, jax.Array], ...]   # per layer: per-slot rings [max_batch, ...]
+    pools: tuple[dict[str, jax.Array], ...]   # per layer: {} (SWA) or rows pools [P, ps//m, d]
+    last_token: jax.Array                     # [max_batch] int32
+    page_size: int = dataclasses.field(metadata=dict(static=True))
+    max_pages: int = dataclasses.field(metadata=dict(static=True))
+    window_slots: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def max_batch(self) -> int:
+        return self.last_token.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.page_size * self.max_pages
+
+
+def check_page_size(cfg: ModelConfig, page_size: int) -> None:
+    ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
+    bad = [m for m in ratios if page_size % m]
+    if page_size < 1 or bad:
+        raise ValueError(f"page_size={page_size} must be a positive multiple of every "
+                         f"compression ratio {sorted(set(ratios))}")
+
+
+def init_paged_state(cfg: ModelConfig, *, max_batch: int, num_pages: int, page_size: int,
+                     max_pages: int, dtype, window_slots: int | None = None) -> PagedState:
+    """Zeroed pools, empty rings (window_pos = -1) for `max_batch` slots."""
+    check_page_size(cfg, page_size)
+    window_slots = window_slots or cfg.sliding_window
+    max_len = page_size * max_pages
+    slots, pools = [], []
+    for lt in cfg.layer_types:
+        shapes = layer_state_shapes(cfg, lt, max_batch, max_len, window_slots, dtype)
+        slot = {k: (jnp.full(s.shape, -1, s.dtype) if k == "window_pos" else jnp.zeros(s.shape, s.dtype))
+                for k, s in shapes.items() if k not in POOL_KEYS}
+        pool = {}
+        if lt in (CSA, HCA):
+            m = cfg.compress_ratio_of(lt)
+            for k in POOL_KEYS:
+                if k in shapes:
+                    pool[k] = jnp.zeros((num_pages, page_size // m, shapes[k].shape[-1]),
+                                        shapes[k].dtype)
+        slots.append(slot)
+        pools.append(pool)
+    return PagedState(tuple(slots), tuple(pools), jnp.zeros((max_batch,), jnp.int32),
+                      page_size, max_pages, window_slots)
+
+
+def pool_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes one page occupies across all layers' pools."""
+    total = 0
+    for lt in cfg.layer_types:
+        if lt in (CSA, HCA):
+            m = cfg.compress_ratio_of(lt)
+            d = cfg.head_dim + (cfg.index_head_dim if lt == CSA else 0)
+            total += page_size // m * d * jnp.dtype(dtype).itemsize
+    return total

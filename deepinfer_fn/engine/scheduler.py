@@ -1,0 +1,355 @@
+"""Host scheduling policy: admission, page allocation, preemption, batch building.
+
+Nothing here touches the device. `Scheduler.schedule()` returns a `StepPlan` (the prefill rows
+and decode rows of one engine step, with their packed inputs); `Scheduler.commit_results()`
+applies the tokens a step sampled once they are known on the host.
+
+Token bookkeeping per sequence (`Seq`): `ext` = the tokens to prefill at this admission (the
+prompt, or prompt + generated tokens after a preemption); `pos` = positions already dispatched
+into the device state; `generated` = tokens known on the host; `in_flight` = sampled tokens
+dispatched but not yet known. Positions are host-determined (a prefill chunk advances by n, a
+decode row by 1), so the host never waits for the device to build the next step; only stop
+tokens are seen one step late in asynchronous mode, and the extra token of a row that already
+stopped is discarded (`epoch` also discards the results of rows preempted while in flight).
+
+Policy:
+* decode rows first (every running sequence whose prompt is done and whose generation is not
+  finished), then chunked prefill rows under the rest of the token budget, oldest first;
+* admission (FIFO, preempted sequences at the front) while a slot is free and the first chunk's
+  pages can be allocated; a prefix-cache hit of h tokens (page-aligned, leaving >= 1 token to
+  prefill) shares the cached pages and starts the prefill at h - R (bounded replay, rows below
+  h kept: `row_floor = h`) or at 0 (exact mode);
+* pages are allocated as positions advance; when none are free the prefix cache evicts LRU
+  leaves, and then the most recently admitted running sequence is preempted (recompute: its
+  slot and pages are released, it is requeued with prompt + generated tokens; with the prefix
+  cache on, its full blocks are cached first, so it resumes from a hit).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from deepinfer_fn.engine.pages import NULL_PAGE, PageAllocator
+from deepinfer_fn.engine.radix import RadixCache
+from deepinfer_fn.engine.request import Request
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    req: Request
+    index: int                      # submission order
+    prompt: list[int]
+    stops: frozenset
+    t_submit: float
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    ext: list[int] = dataclasses.field(default_factory=list)
+    ext_arr: np.ndarray | None = None       # ext as int32 (set at admission, for packing)
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    pos: int = 0
+    row_floor: int = 0
+    fresh: bool = False
+    in_flight: int = 0
+    epoch: int = 0
+    admit_order: int = -1
+    finish: str | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+    cached_tokens: int = 0
+    replayed_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.ext)
+
+    def wants_decode(self) -> bool:
+        return (self.finish is None and not self.prefilling
+                and len(self.generated) + self.in_flight < self.req.max_new_tokens)
+
+
+@dataclasses.dataclass(slots=True)
+class Row:
+    seq: Seq
+    epoch: int
+    start: int
+    n: int
+    samples: bool        # the row's sampled token is a real output token
+
+
+@dataclasses.dataclass
+class StepPlan:
+    prefill: list[Row]
+    decode: list[Row]
+    prefill_shape: tuple[int, int] = (0, 0)     # (rows, width) of the prefill sub-batch
+
+    def __bool__(self):
+        return bool(self.prefill or self.decode)
+
+
+META_COLUMNS = ("slot", "start", "n_new", "row_floor", "fresh", "top_k", "seed")
+PACK_HEAD = 10          # meta (7 int32 columns) + fparams (temperature, top_p, min_p as f32 bits)
+
+
+def buckets_up_to(n: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (n,)
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"{n} rows exceed the largest bucket {sizes[-1]}")
+
+
+class Scheduler:
+    def __init__(self, *, max_batch: int, max_tokens_per_step: int,
+                 prefill_shapes: tuple[tuple[int, int], ...], page_size: int, max_pages: int,
+                 pages: PageAllocator, cache: RadixCache | None, replay_tokens: int | None):
+        self.max_batch, self.budget = max_batch, max_tokens_per_step
+        self.prefill_shapes = tuple(prefill_shapes)
+        self.chunk = max(w for _, w in prefill_shapes)
+        self.prefill_rows = max(r for r, _ in prefill_shapes)
+        self.page_size, self.max_pages = page_size, max_pages
+        self.pages, self.cache, self.replay = pages, cache, replay_tokens
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.running: list[Seq] = []          # admission order
+        self.free_slots = list(range(max_batch - 1, -1, -1))
+        # Per slot, the packed row of `pack` (PACK_HEAD columns, then the block table): the
+        # per-request columns are written once at admission, the block table as pages come.
+        self.slot_rows = np.zeros((max_batch, PACK_HEAD + max_pages), np.int32)
+        self.block_table = self.slot_rows[:, PACK_HEAD:]          # a view
+        self._pad_row = np.zeros(PACK_HEAD + max_pages, np.int32)
+        self._pad_row[0] = max_batch                              # out-of-range slot
+        self._pad_row[7:PACK_HEAD] = np.array([0.0, 1.0, 0.0], np.float32).view(np.int32)
+        self._admissions = 0
+        self.preemptions = 0
+        self.cache_hit_tokens = 0
+        self.prefill_tokens = 0               # computed prefill positions (replay included)
+        self.finished: list[Seq] = []         # finished since the last drain
+
+    # ------------------------------------------------------------------ lifecycle
+    def add(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def cancel(self, request_ids) -> None:
+        for seq in list(self.waiting):
+            if seq.req.request_id in request_ids:
+                self.waiting.remove(seq)
+                self._finish(seq, "cancelled")
+        for seq in list(self.running):
+            if seq.req.request_id in request_ids and seq.finish is None:
+                self._finish(seq, "cancelled")
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        seq.finish = reason
+        if seq in self.running:
+            self._release(seq, cache_blocks=reason != "cancelled")
+            self.running.remove(seq)
+        self.finished.append(seq)
+
+    def _release(self, seq: Seq, cache_blocks: bool) -> None:
+        """Frees the slot and the pages (full blocks of known, fed tokens go to the cache)."""
+        if self.cache is not None and cache_blocks:
+            known = seq.prompt + seq.generated
+            n_blocks = min(seq.pos, len(known), len(seq.pages) * self.page_size) // self.page_size
+            # A block is complete once every position in it was dispatched.
+            self.cache.insert(known, seq.pages[:n_blocks])
+        for p in seq.pages:
+            self.pages.release(p)
+        seq.pages = []
+        self.block_table[seq.slot] = NULL_PAGE
+        self.free_slots.append(seq.slot)
+        seq.slot = None
+
+    # ------------------------------------------------------------------ pages
+    def _blocks_needed(self, seq: Seq, end: int) -> int:
+        return -(-end // self.page_size) - len(seq.pages)
+
+    def _allocate(self, seq: Seq, end: int, plan: StepPlan | None, may_preempt: bool) -> bool:
+        """Pages so that seq covers positions < end. May evict cache leaves and preempt (then
+        the victims are removed from `plan`). False if seq itself cannot get them."""
+        need = self._blocks_needed(seq, end)
+        while need > 0:
+            got = self.pages.allocate(need)
+            if got is not None:
+                for p in got:
+                    self.block_table[seq.slot, len(seq.pages)] = p
+                    seq.pages.append(p)
+                return True
+            if self.cache is not None and self.cache.evict(need - self.pages.free_count):
+                continue
+            if not may_preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Seq, plan: StepPlan | None) -> None:
+        self._release(seq, cache_blocks=True)
+        self.running.remove(seq)
+        seq.epoch += 1
+        seq.in_flight = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        if plan is not None:
+            plan.prefill[:] = [r for r in plan.prefill if r.seq is not seq]
+            plan.decode[:] = [r for r in plan.decode if r.seq is not seq]
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, seq: Seq) -> bool:
+        seq.ext = seq.prompt + seq.generated
+        seq.slot = self.free_slots.pop()
+        hit_pages = []
+        if self.cache is not None:
+            hit_pages = self.cache.match(seq.ext, max_blocks=(len(seq.ext) - 1) // self.page_size)
+            for p in hit_pages:
+                self.pages.retain(p)
+        h = len(hit_pages) * self.page_size
+        for i, p in enumerate(hit_pages):
+            self.block_table[seq.slot, i] = p
+        seq.pages = list(hit_pages)
+        start = 0 if (h == 0 or self.replay is None) else max(0, h - self.replay)
+        seq.pos, seq.row_floor, seq.fresh = start, h, True
+        first_end = min(len(seq.ext), start + self.chunk)
+        if not self._allocate(seq, max(first_end, h), None, may_preempt=False):
+            for p in seq.pages:
+                self.pages.release(p)
+            seq.pages = []
+            self.block_table[seq.slot] = NULL_PAGE
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+            return False
+        seq.cached_tokens = h
+        seq.replayed_tokens = h - start
+        r = seq.req
+        head = self.slot_rows[seq.slot, :PACK_HEAD]
+        head[:7] = (seq.slot, 0, 0, h, 0, r.top_k, np.array(r.seed, np.uint32).view(np.int32))
+        head[7:] = np.array([r.temperature, r.top_p, r.min_p], np.float32).view(np.int32)
+        seq.ext_arr = np.asarray(seq.ext, np.int32)
+        self.cache_hit_tokens += h
+        seq.admit_order = self._admissions
+        self._admissions += 1
+        self.running.append(seq)
+        return True
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([], [])
+        budget, ps, decode = self.budget, self.page_size, plan.decode
+        for seq in list(self.running):
+            if len(decode) >= budget:
+                break
+            # seq.slot is None: preempted by an earlier row's allocation this step
+            if seq.slot is None or not seq.wants_decode():
+                continue
+            if seq.pos < len(seq.pages) * ps or self._allocate(seq, seq.pos + 1, plan,
+                                                                  may_preempt=True):
+                decode.append(Row(seq, seq.epoch, seq.pos, 1, True))
+        budget -= len(decode)
+        if self.waiting and self.free_slots and budget > 0:
+            n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
+            while (self.waiting and self.free_slots and budget > 0
+                   and n_prefilling < self.prefill_rows):
+                if not self._admit(self.waiting[0]):
+                    break
+                self.waiting.popleft()
+                n_prefilling += self.running[-1].prefilling
+        cands = [s for s in self.running if s.pos < len(s.ext) and s.finish is None]
+        shape, picked = self._prefill_shape(cands, budget)
+        for seq, n in picked:
+            if seq.slot is None:                     # preempted by an earlier row's allocation
+                continue
+            if self._allocate(seq, seq.pos + n, plan, may_preempt=True):
+                plan.prefill.append(Row(seq, seq.epoch, seq.pos, n, seq.pos + n == len(seq.ext)))
+        plan.prefill_shape = shape
+        return plan
+
+    def _prefill_shape(self, cands: list[Seq], budget: int):
+        """The prefill shape (rows, width) that moves the most prompt tokens this step (ties:
+        the smaller padded shape), and its rows [(seq, n)] (oldest first, n <= width)."""
+        best = None
+        for rows, width in self.prefill_shapes:
+            left, picked = budget, []
+            for seq in cands[:rows]:
+                n = min(width, len(seq.ext) - seq.pos, left)
+                if n <= 0:
+                    break
+                picked.append((seq, n))
+                left -= n
+            key = (budget - left, -rows * width)
+            if best is None or key > best[0]:
+                best = (key, (rows, width), picked)
+        return best[1], best[2]
+
+    def commit_plan(self, plan: StepPlan) -> None:
+        """The plan was dispatched: advance positions, count in-flight samples, and cache the
+        prompt blocks that are now complete (later steps run after this one on the device)."""
+        for row in plan.decode:
+            row.seq.pos += 1
+            row.seq.fresh = False
+            row.seq.in_flight += 1
+        for row in plan.prefill:
+            seq = row.seq
+            seq.pos += row.n
+            seq.fresh = False
+            seq.in_flight += row.samples
+            self.prefill_tokens += row.n
+            if self.cache is not None:
+                n_blocks = min(seq.pos, len(seq.pages) * self.page_size) // self.page_size
+                if n_blocks > seq.row_floor // self.page_size:
+                    self.cache.insert(seq.ext, seq.pages[:n_blocks])
+
+    def commit_results(self, rows: list[Row], tokens: np.ndarray, logprobs: np.ndarray,
+                       now: float) -> None:
+        """Applies one dispatched step's sampled tokens (known on the host now)."""
+        for row, tok, lp in zip(rows, tokens, logprobs):
+            seq = row.seq
+            if not row.samples or row.epoch != seq.epoch:
+                continue
+            seq.in_flight -= 1
+            if seq.finish is not None:
+                continue                       # a token past a stop (async lag): discarded
+            tok = int(tok)
+            seq.generated.append(tok)
+            seq.logprobs.append(float(lp))
+            if seq.t_first is None:
+                seq.t_first = now
+            seq.t_last = now
+            if tok in seq.stops:
+                self._finish(seq, "stop")
+            elif len(seq.generated) >= seq.req.max_new_tokens:
+                self._finish(seq, "length")
+
+    def pack(self, rows: list[Row], n_rows: int, width: int | None) -> np.ndarray:
+        """The packed inputs of a sub-batch padded to n_rows: int32 [n_rows, PACK_HEAD +
+        max_pages + (width or 0)], per row meta (META_COLUMNS), fparams (temperature, top_p,
+        min_p as f32 bits), the block table, then the prefill tokens (`step.unpack`).
+        Padding rows: slot = max_batch, n_new = 0, top_p = 1."""
+        H = PACK_HEAD + self.max_pages
+        out = np.zeros((n_rows, H + (width or 0)), np.int32)
+        k = len(rows)
+        out[k:, :H] = self._pad_row
+        if k:
+            out[:k, :H] = self.slot_rows[[row.seq.slot for row in rows]]
+            out[:k, 1] = [row.start for row in rows]
+            out[:k, 2] = [row.n for row in rows]
+            out[:k, 4] = [row.seq.fresh for row in rows]
+            if width is not None:
+                for i, row in enumerate(rows):
+                    out[i, H:H + row.n] = row.seq.ext_arr[row.start:row.start + row.n]
+        return out

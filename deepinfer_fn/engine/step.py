@@ -1,0 +1,164 @@
+"""The engine's jitted sub-step: one forward of a sub-batch of slots against the paged state.
+
+An engine step is a prefill sub-batch `[Pb, chunk]` and a decode sub-batch `[Db, 1]`, each one
+call of `substep` (two static shapes per step; Pb, Db come from a few power-of-two buckets, so
+compilation is bounded). Each call:
+
+1. gathers its rows' per-slot rings and, through the block table, their compressed rows from
+   the pools into the contiguous `DecodeState` layout `model/cached.py` works on (one code path
+   for generate and the engine);
+2. runs `transformer.forward_chunk` (prefix-cache replay: `row_floor` keeps the shared rows);
+3. samples with `sample_rows` (separable: speculative decoding and grammar masks plug in here);
+4. scatters back the per-slot rings and only the pages the chunk wrote (positions
+   start .. start + n_new - 1; never a shared page below row_floor, never the null page), and
+   the sampled token into `last_token` (a decode row's next input, read on device).
+
+The whole PagedState is donated. Padding rows have slot = max_batch (gathers clip, scatters
+drop) and n_new = 0.
+
+Packed host inputs: meta int32 [B, 7] = (slot, start, n_new, row_floor, fresh, top_k, seed
+bits), fparams f32 [B, 3] = (temperature, top_p, min_p), block_table int32 [B, max_pages]
+(and the prefill tokens). The engine sends them as ONE int32 buffer (`substep_packed`: one
+host -> device transfer per call, one device -> host transfer for tokens + logprobs). fresh = 1 resets the slot's window ring (a new request in a
+reused slot: stale positions must not look valid); the compressor ring is only read for
+positions >= start (or for rows below row_floor, which are dropped), so it needs no reset.
+
+Cost note: the gather materialises each row's whole block table of rows (max_len // m per
+layer) every call; a paged attention kernel reading the pools in place would avoid that copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_fn.engine.paged_state import POOL_KEYS, PagedState
+from deepinfer_fn.engine.scheduler import META_COLUMNS, PACK_HEAD  # noqa: F401 (packed layout)
+from deepinfer_fn.model import transformer
+from deepinfer_fn.sampling import SamplingParams, sample
+from deepinfer_fn.state import DecodeState
+
+
+
+def sample_rows(logits, sampling: SamplingParams, positions):
+    """(tokens int32 [B], logprobs f32 [B]) for the logits of each row's last token.
+
+    positions: the absolute position each sampled token will take (= tokens processed so
+    far), so the counter-based keys equal generate()'s (sampling.request_key)."""
+    return sample(logits, sampling, positions)
+
+
+def _gather_slots(slots, slot):
+    return tuple({k: jnp.take(v, slot, axis=0, mode="clip") for k, v in layer.items()}
+                 for layer in slots)
+
+
+def _scatter_slots(slots, new_layers, slot):
+    return tuple({k: v.at[slot].set(new[k], mode="drop") for k, v in layer.items()}
+                 for layer, new in zip(slots, new_layers))
+
+
+def _gather_rows(pools, block_table):
+    """pool [P, rpp, d] -> contiguous rows [B, max_pages * rpp, d] per layer."""
+    out = []
+    for pool in pools:
+        out.append({k: v[block_table].reshape(block_table.shape[0], -1, v.shape[-1])
+                    for k, v in pool.items()})
+    return out
+
+
+def _scatter_rows(pools, new_layers, block_table, start, n_new, row_floor, page_size, S):
+    """Writes back the pages positions [start, start + n_new) touched, except shared pages
+    (below row_floor) and the null page."""
+    B, max_pages = block_table.shape
+    n_touch = min(max_pages, (S - 1) // page_size + 2)
+    page_idx = start[:, None] // page_size + jnp.arange(n_touch)[None]          # [B, n_touch]
+    touched = ((page_idx < max_pages) & (page_idx * page_size < (start + n_new)[:, None])
+               & (page_idx >= (row_floor // page_size)[:, None]) & (n_new > 0)[:, None])
+    safe_idx = jnp.clip(page_idx, 0, max_pages - 1)
+    page_id = jnp.take_along_axis(block_table, safe_idx, axis=1)
+    out = []
+    for pool, new in zip(pools, new_layers):
+        upd = {}
+        for k, v in pool.items():
+            num_pages, rpp, d = v.shape
+            target = jnp.where(touched & (page_id > 0), page_id, num_pages).reshape(-1)
+            rows = new[k].reshape(B, max_pages, rpp, d)
+            vals = jnp.take_along_axis(rows, safe_idx[:, :, None, None], axis=1)
+            upd[k] = v.at[target].set(vals.reshape(-1, rpp, d), mode="drop")
+        out.append(upd)
+    return tuple(out)
+
+
+def unpack_sampling(meta, fparams) -> SamplingParams:
+    return SamplingParams(temperature=fparams[:, 0], top_k=meta[:, 5], top_p=fparams[:, 1],
+                          min_p=fparams[:, 2],
+                          seed=jax.lax.bitcast_convert_type(meta[:, 6], jnp.uint32))
+
+
+def _substep(params, state: PagedState, meta, fparams, block_table, tokens, return_logits):
+    """The body of `substep` (shared by `substep` and `substep_packed`)."""
+    slot, start, n_new, row_floor, fresh = (meta[:, i] for i in range(5))
+    if tokens is None:
+        tokens = jnp.take(state.last_token, slot, mode="clip")[:, None]
+    S = tokens.shape[1]
+    layers = []
+    for sl, rows in zip(_gather_slots(state.slots, slot), _gather_rows(state.pools, block_table)):
+        sl = dict(sl)
+        sl["window_pos"] = jnp.where(fresh[:, None] > 0, -1, sl["window_pos"])
+        sl.update(rows)
+        layers.append(sl)
+    dstate = DecodeState(tuple(layers), start, state.max_len, state.window_slots)
+    logits, new, _ = transformer.forward_chunk(params, dstate, tokens, n_new, row_floor=row_floor)
+    sampled, logp = sample_rows(logits, unpack_sampling(meta, fparams), start + n_new)
+    new_slots = tuple({k: v for k, v in layer.items() if k not in POOL_KEYS}
+                      for layer in new.layers)
+    state = PagedState(
+        _scatter_slots(state.slots, new_slots, slot),
+        _scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
+                      state.page_size, S),
+        state.last_token.at[slot].set(sampled, mode="drop"),
+        state.page_size, state.max_pages, state.window_slots)
+    if return_logits:
+        return state, sampled, logp, logits
+    return state, sampled, logp
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits",), donate_argnums=(1,))
+def substep(params, state: PagedState, meta, fparams, block_table, tokens=None, *,
+            return_logits: bool = False):
+    """One sub-batch. tokens int32 [B, S] (prefill rows, right-padded past n_new) or None
+    (decode: S = 1, each row's input is its slot's `last_token`).
+
+    Returns (state, sampled tokens int32 [B], logprobs f32 [B]) (+ logits f32 [B, V])."""
+    return _substep(params, state, meta, fparams, block_table, tokens, return_logits)
+
+
+def unpack(packed, max_pages: int):
+    """packed int32 [B, PACK_HEAD + max_pages + S] -> (meta int32 [B, 7], fparams f32 [B, 3],
+    block_table int32 [B, max_pages], tokens int32 [B, S] or None when S = 0). Works on numpy
+    and jax arrays."""
+    meta = packed[:, :7]
+    fbits = packed[:, 7:PACK_HEAD]
+    if isinstance(packed, np.ndarray):
+        fparams = np.ascontiguousarray(fbits).view(np.float32)
+    else:
+        fparams = jax.lax.bitcast_convert_type(fbits, jnp.float32)
+    bt = packed[:, PACK_HEAD:PACK_HEAD + max_pages]
+    toks = packed[:, PACK_HEAD + max_pages:]
+    return meta, fparams, bt, (toks if toks.shape[1] else None)
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def substep_packed(params, state: PagedState, packed):
+    """`substep` on one packed host buffer (one host -> device transfer per call) returning one
+    buffer (one device -> host transfer): packed int32 [B, PACK_HEAD + max_pages + S] (S = 0:
+    decode) as `unpack` reads it. Returns (state, out int32 [B, 2] = (sampled token, logprob
+    f32 bits))."""
+    meta, fparams, bt, toks = unpack(packed, state.max_pages)
+    state, sampled, logp = _substep(params, state, meta, fparams, bt, toks, False)
+    out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
+    return state, out
