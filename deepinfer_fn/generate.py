@@ -694,9 +694,20 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         ell = jnp.where(active, _verify_lengths(conf, active, cap, sched, mode, sampling.seed,
                                                 step), 0)
         ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
-        logits, new_state, _, feats = transformer.forward_chunk(
-            params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True,
-            taps=dcfg.target_layer_ids, tap=dcfg.tap)
+        n_new = jnp.where(active, ell + 1, 0)
+
+        def verify_forward(ids_s):
+            lg, st, _, ft = transformer.forward_chunk(params, state, ids_s, n_new,
+                                                      all_logits=True,
+                                                      taps=dcfg.target_layer_ids, tap=dcfg.tap)
+            return (lg, ft), st
+
+        if mode == "fixed":
+            (logits, feats), new_state = verify_forward(ids)
+        else:  # the padded forward runs 1 + max(ell) columns: shorter ell saves compute
+            from deepinfer_fn.speculative import schedule
+            (logits, feats), new_state = schedule.run_with_columns(
+                verify_forward, ids, schedule.verify_columns(ell, active))
         tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
         n_emit = jnp.where(active, g + 1, 0)
         is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
