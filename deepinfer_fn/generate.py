@@ -11,7 +11,8 @@ step drafts k tokens with the MTP block, verifies them with one k+1-token `forwa
 accepts per row (deepinfer_fn/speculative/verify.py), rolls the state back to the accepted
 prefix and feeds the MTP the accepted positions. With a constraint, the drafts and the verified
 target distributions are masked by the grammar state at every draft position and the matchers
-roll back with the state (deepinfer_fn/structured.py, "Speculative decoding").
+roll back with the state (deepinfer_fn/structured.py, "Speculative decoding"); the DSpark path
+(`_dspark_generate`) does the same inside its Markov draft pass.
 """
 
 from __future__ import annotations
@@ -257,7 +258,9 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     `speculative.schedule.VerifyCost` profile; spec/dspark.md §3), "random" -> uniform in
     0..γ per row and step (a diagnostic for losslessness tests). Same losslessness and
     statistics as "mtp"; the output also carries the confidence logits (`draft_confidence`).
-    No constraint or sharded mesh yet.
+    With `constraint`, the Markov pass draws each draft under the grammar mask after the
+    drafts before it and the target is verified masked, as for "mtp" (greedy constrained
+    rows give the tokens of plain greedy constrained decoding). Not on a sharded mesh yet.
     """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
@@ -550,15 +553,13 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
     from deepinfer_fn.api import mesh_context
     cfg = params.config
     if method == "dspark":
-        if constraint is not None:
-            raise NotImplementedError("speculative='dspark' with a constraint is not supported "
-                                      "yet (speculative='mtp' is)")
         return _dspark_generate(
             params, tokens, lengths, drafter=drafter, k=k, verify_len=verify_len,
             verify_cost=verify_cost, max_new_tokens=max_new_tokens, temperature=temperature,
             top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
             return_logprobs=return_logprobs, pad_id=pad_id, prefill_chunk=prefill_chunk,
-            max_len=max_len, window_slots=window_slots)
+            max_len=max_len, window_slots=window_slots, constraint=constraint,
+            tokenizer=tokenizer)
     if method != "mtp":
         raise ValueError(f"speculative={method!r}: expected 'mtp' or 'dspark'")
     if drafter is not None:
@@ -660,25 +661,44 @@ def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
 
 @functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode"))
 def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeState, logits,
-                   done, sampling: SamplingParams, pad_id, sched, *, n: int,
-                   stop_tokens: tuple[int, ...], mode: str):
+                   done, sampling: SamplingParams, pad_id, sched, masks=None, session=None, *,
+                   n: int, stop_tokens: tuple[int, ...], mode: str):
     """Up to n tokens per row: the first sampled from the prefill logits, then
     `lax.while_loop` steps of draft (DSpark block of γ) -> verify ell_b + 1 tokens per row
     (one all-logits forward with the taps) -> accept -> rollback of the target state ->
     push the committed positions' features (anchor + accepted drafts) into the draft
     context. The draft context therefore only ever holds committed positions and is at the
-    target's length whenever a block is drafted. Returns like `_spec_decode`."""
+    target's length whenever a block is drafted. Returns like `_spec_decode`.
+
+    Constrained (masks: packed uint32 [B,W] for the first token; session: id of a registered
+    `structured.ConstrainedBatch`), as `_spec_decode`: the first token is sampled under `masks`
+    (`host_step`); each step carries m_0 and the Markov pass draws slot j + 1 under m_j (one
+    `host_draft` io_callback per slot, so q is the masked distribution the draft came from,
+    spec/dspark.md §2.2); the verify length is capped before the scheduler by the slots the
+    drafts admit (none after a drafted EOS / dead end: a function of earlier drafts only,
+    §2.5); the target logits are masked by m_0..m_γ; `host_commit` rolls the matchers back to
+    the accepted drafts. Without masks the program is the unconstrained one, unchanged."""
     dcfg = drafter.config
     g_max = dcfg.block_size
     B = logits.shape[0]
     K1 = g_max + 1
+    V = logits.shape[-1]
+    constrained = masks is not None
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-    first, first_lp = sample(logits, sampling, state.lengths)
+    allowed = structured.unpack_bitmask(masks, V) if constrained else None
+    first, first_lp = sample(logits, sampling, state.lengths, allowed)
     active = ~done
     out = jnp.full((B, n + K1), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
     logp = jnp.zeros((B, n + K1), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
     count = active.astype(jnp.int32)
-    done = done | jnp.isin(first, stops) | (n <= 1)
+    ended = jnp.zeros((B,), bool)          # rows the constraint finished
+    if constrained:
+        masks, ended = io_callback(structured.host_step,
+                                   (jax.ShapeDtypeStruct(masks.shape, jnp.uint32),
+                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
+                                   session, first, active, ordered=False)
+        ended = ended & active
+    done = done | jnp.isin(first, stops) | (n <= 1) | ended
     hist = jnp.full((B, n), -1, jnp.int32)
     rows = jnp.arange(B)[:, None]
     j = jnp.arange(K1)[None]
@@ -687,10 +707,21 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         return (loop[0] < n) & ~jnp.all(loop[7])
 
     def body(loop):
-        i, state, dstate, anchor, out, logp, count, done, step, acc_h, ver_h, conf_h = loop
+        i, state, dstate, anchor, out, logp, count, done, step, acc_h, ver_h, conf_h = loop[:12]
         active = ~done
         cap = jnp.where(active, jnp.clip(n - count - 1, 0, g_max), 0)
-        drafts, q, conf = spec.dspark.draft(drafter, params, dstate, anchor, sampling, step)
+        if constrained:  # grammar masks inside the Markov pass, one host call per slot
+            def host(x):
+                return io_callback(structured.host_draft,
+                                   (jax.ShapeDtypeStruct(loop[12].shape, jnp.uint32),
+                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
+                                   session, x, active, ordered=False)
+            drafts, q, conf, dmasks, dstop = spec.dspark.draft(
+                drafter, params, dstate, anchor, sampling, step, constrain=(loop[12], host))
+            # Slots after a drafted EOS / dead end are not admitted (decided from x_j, §2.5).
+            cap = jnp.minimum(cap, jnp.where(jnp.any(dstop, 1), jnp.argmax(dstop, 1) + 1, g_max))
+        else:
+            drafts, q, conf = spec.dspark.draft(drafter, params, dstate, anchor, sampling, step)
         ell = jnp.where(active, _verify_lengths(conf, active, cap, sched, mode, sampling.seed,
                                                 step), 0)
         ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
@@ -708,11 +739,24 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
             from deepinfer_fn.speculative import schedule
             (logits, feats), new_state = schedule.run_with_columns(
                 verify_forward, ids, schedule.verify_columns(ell, active))
+        if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
+            logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
         tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
         n_emit = jnp.where(active, g + 1, 0)
         is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
         hit = jnp.any(is_stop, axis=1)
         n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
+        extra = ()
+        if constrained:  # roll the matchers back to the accepted drafts, consume the rest
+            next_masks, ended, n_keep = io_callback(
+                structured.host_commit,
+                (jax.ShapeDtypeStruct(loop[12].shape, jnp.uint32),
+                 jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.int32)),
+                session, tokens, g, n_out, active, ordered=False)
+            ended = ended & active
+            n_out = jnp.where(active, jnp.minimum(n_out, n_keep), 0)
+            hit = hit | ended
+            extra = (next_masks, loop[13] | ended)
         idx = jnp.where(j < n_out[:, None], count[:, None] + j, n + K1)
         out = out.at[rows, idx].set(tokens, mode="drop")
         lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
@@ -726,15 +770,18 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         conf_h = conf_h.at[:, i].set(conf)
         done = done | hit | (count >= n)
         return (i + 1, state, dstate, anchor, out, logp, count, done,
-                step + active.astype(jnp.int32), acc_h, ver_h, conf_h)
+                step + active.astype(jnp.int32), acc_h, ver_h, conf_h) + extra
 
     init = (jnp.int32(0), state, dstate, first, out, logp, count, done,
             jnp.zeros((B,), jnp.int32), hist, hist, jnp.zeros((B, n, g_max), jnp.float32))
+    init += (masks, ended) if constrained else ()
     loop = jax.lax.while_loop(cond, body, init)
     out, logp, count, done = loop[4:8]
-    acc_h, ver_h, conf_h = loop[9:]
+    acc_h, ver_h, conf_h = loop[9:12]
     last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
     stopped = (count > 0) & jnp.isin(last, stops)
+    if constrained:
+        stopped = stopped | loop[13]
     return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h, conf_h
 
 
@@ -762,7 +809,7 @@ def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
 def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
                      max_new_tokens, temperature, top_k, top_p, min_p, seed, stop_tokens,
                      return_logprobs, pad_id, prefill_chunk, max_len,
-                     window_slots) -> GenerateOutput:
+                     window_slots, constraint=None, tokenizer=None) -> GenerateOutput:
     from deepinfer_fn.api import mesh_context
     from deepinfer_fn.speculative.dspark import DSpark, check_target, init_draft_state
     cfg = params.config
@@ -783,6 +830,11 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     B = tokens.shape[0]
     sched = _dspark_schedule_args(drafter, verify_len, verify_cost, B)
     sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
+    constrained = None
+    if constraint is not None:  # compiled per request on the host; a bad grammar fails its row
+        constrained = structured.ConstrainedBatch.build(
+            constraint, B, structured.default_tokenizer() if tokenizer is None else tokenizer,
+            cfg.vocab_size)
     capacity = max_len or min(_bucket(int(lengths.max()) + max_new_tokens + gamma + 1),
                               cfg.max_position_embeddings)
     slots = max(window_slots or 0, cfg.sliding_window + gamma)   # rollback slack (state.py)
@@ -791,8 +843,22 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
                                             prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    out, logp, count, stopped, acc, ver, conf = _dspark_decode(
-        params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,
-        n=max_new_tokens, stop_tokens=stop_tokens, mode=verify_len)
-    return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
-                          accepted=acc, verified=ver, draft_confidence=conf)
+    kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=verify_len)
+    if constrained is None:
+        out, logp, count, stopped, acc, ver, conf = _dspark_decode(
+            params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,
+            **kw)
+        return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
+                              accepted=acc, verified=ver, draft_confidence=conf)
+    masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
+    sid = structured.register(constrained)
+    try:
+        out, logp, count, stopped, acc, ver, conf = _dspark_decode(
+            params, drafter, state, dstate, logits, jnp.asarray(failed), sampling, pad, sched,
+            jnp.asarray(masks), jnp.int32(sid), **kw)
+        stopped = np.asarray(stopped) | failed   # waits for the loop: the matchers are final
+    finally:
+        structured.unregister(sid)
+    return GenerateOutput(out, count, jnp.asarray(stopped), logp if return_logprobs else None,
+                          constrained.statuses(), accepted=acc, verified=ver,
+                          draft_confidence=conf)

@@ -11,7 +11,11 @@
   reported; think-then-answer;
 * sampled constrained speculative rows follow the plain constrained sampler's distribution
   (two-sample chi-square at several positions, many seeded rows);
-* the embedded default model: valid outputs, greedy == plain greedy.
+* the embedded default model: valid outputs, greedy == plain greedy;
+* the same with the DSpark drafter (speculative="dspark", a random drafter of block size K on the
+  random-weights model): greedy == plain greedy constrained and valid, mixed batch free rows ==
+  the unconstrained DSpark call, a bad constraint fails its row alone, sampled rows with the
+  dynamic verify length are valid.
 """
 
 import json
@@ -396,3 +400,84 @@ def test_default_model_outputs_are_valid(default_model, temperature):
             _assert_same(out, plain)
             assert out.constraint_status == plain.constraint_status
         print(f"\ndefault model {kind} T={temperature}: acceptance {out.acceptance()}")
+
+
+# ---- DSpark drafter (speculative="dspark") on the random-weights model ---------------------------
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    from deepinfer_fn.speculative import dspark
+    dcfg = dspark.DSparkConfig.for_target(model.config, block_size=K, markov_rank=32,
+                                          target_layer_ids=(1, 3), noise_token_id=2)
+    return dspark.init_dspark(model.config, dcfg, jax.random.key(5))
+
+
+def _dspark(model, tok, prompts, constraint, drafter, temperature=0.0, **kw):
+    return di.generate(model, prompts, max_new_tokens=N, constraint=constraint, tokenizer=tok,
+                       temperature=temperature, seed=SEEDS, speculative="dspark",
+                       drafter=drafter, **kw)
+
+
+@pytest.fixture(scope="module")
+def dspark_greedy_runs(model, tok, prompts, drafter):
+    runs = {}
+    for kind, c in [("json", [JsonSchema(s) for s in SCHEMAS]),
+                    ("regex", [Regex(r) for r in REGEXES]), ("grammar", Grammar(ARITHMETIC))]:
+        runs[kind] = (_plain(model, tok, prompts, c), _dspark(model, tok, prompts, c, drafter))
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "grammar"])
+def test_dspark_greedy_equals_plain_and_is_valid(dspark_greedy_runs, tok, kind):
+    plain, sp = dspark_greedy_runs[kind]
+    _validate(kind, sp, tok)
+    _assert_same(sp, plain)
+    assert sp.constraint_status == plain.constraint_status
+    assert sp.finish_reasons() == plain.finish_reasons()
+    _check_bookkeeping(sp)
+    assert np.asarray(sp.accepted).max() > 0   # grammar-forced drafts do get accepted
+
+
+def test_dspark_mixed_batch_free_rows_are_unchanged(model, tok, prompts, drafter):
+    kw = dict(temperature=[0.0, 1.0, 1.0, 0.0], return_logprobs=True)
+    mixed = _dspark(model, tok, prompts, [Regex(REGEXES[0]), None, JsonSchema(SCHEMAS[1]), None],
+                    drafter, **kw)
+    free = di.generate(model, prompts, max_new_tokens=N, seed=SEEDS, speculative="dspark",
+                       drafter=drafter, **kw)
+    assert mixed.constraint_status == ("complete", None, "complete", None)
+    _assert_same(mixed, free, rows=(1, 3))
+    for b in (1, 3):
+        np.testing.assert_array_equal(np.asarray(mixed.accepted[b]), np.asarray(free.accepted[b]))
+        np.testing.assert_array_equal(np.asarray(mixed.verified[b]), np.asarray(free.verified[b]))
+        np.testing.assert_allclose(np.asarray(mixed.logprobs[b]), np.asarray(free.logprobs[b]),
+                                   atol=1e-5)
+    rows = _texts(mixed, tok)
+    assert re.fullmatch(REGEXES[0], rows[0][0])
+    jsonschema.validate(json.loads(rows[2][0]), SCHEMAS[1])
+
+
+def test_dspark_invalid_constraint_fails_its_row_alone(model, tok, prompts, drafter):
+    good = [Regex(REGEXES[2]), JsonSchema(SCHEMAS[2])]
+    out = _dspark(model, tok, prompts, [good[0], Regex("(unclosed"), Grammar("start: nope"),
+                                        good[1]], drafter, temperature=1.0)
+    st = out.constraint_status
+    assert st[0] == st[3] == "complete"
+    assert st[1].startswith("error: invalid Regex") and st[2].startswith("error: invalid Grammar")
+    assert out.finish_reasons() == ["stop", "error", "error", "stop"]
+    assert np.asarray(out.lengths)[[1, 2]].tolist() == [0, 0]
+    assert np.all(np.asarray(out.tokens[1:3]) == model.config.eos_token_id)
+    alone = _dspark(model, tok, prompts, [good[0], None, None, good[1]], drafter, temperature=1.0)
+    _assert_same(out, alone, rows=(0, 3))
+
+
+@pytest.mark.parametrize("kind", ["json", "grammar"])
+def test_dspark_sampled_dynamic_verify_length_is_valid(model, tok, prompts, drafter, kind):
+    """Sampled rows with the dynamic verify length (a cost that grows with the columns, so
+    ell varies): valid outputs, and ell never passes the grammar-admitted slots."""
+    from deepinfer_fn.speculative import schedule
+    cost = schedule.VerifyCost.from_grid((B,), np.asarray([[1.0, 1.3, 1.7, 2.2]]))
+    c = {"json": [JsonSchema(s) for s in SCHEMAS], "grammar": Grammar(ARITHMETIC)}[kind]
+    out = _dspark(model, tok, prompts, c, drafter, temperature=1.0, verify_len="dynamic",
+                  verify_cost=cost)
+    _validate(kind, out, tok)
+    _check_bookkeeping(out)

@@ -315,13 +315,22 @@ def anchored_blocks(drafter: DSpark, params, features, seqs, anchors):
 
 
 # ------------------------------------------------------------------------------- drafting
-def draft(drafter: DSpark, params, dstate: DecodeState, anchor, sampling: SamplingParams, step):
+def draft(drafter: DSpark, params, dstate: DecodeState, anchor, sampling: SamplingParams, step,
+          *, constrain=None):
     """γ draft tokens per row (module docstring).
 
     params: the target (embedding and head); dstate: holds exactly the committed positions
     0..P-1 (P = dstate.lengths); anchor int32 [B] the token at P; step int32 [B] the
     request-local step counter (draft keys). Returns (drafts int32 [B,γ], q_logits f32
     [B,γ,V] (softmax = the distribution each draft was drawn from), conf_logits f32 [B,γ]).
+
+    constrain = (masks uint32 [B,W], host): grammar masks inside the Markov pass
+    (deepinfer_fn/structured.py, "speculative decoding"; spec/dspark.md §2.2). Draft k + 1 is
+    drawn from the slot's logits under the packed allowed-token mask m_k (m_0 = `masks`, the
+    grammar state after the committed tokens), so q_{k+1} is the masked distribution actually
+    sampled from; `host(x_{k+1}) -> (m_{k+1} uint32 [B,W], stop bool [B])` advances the
+    grammar (an io_callback). The confidence logits do not see the masks. Also returns the
+    masks m_0..m_γ uint32 [B,γ+1,W] and stop bool [B,γ] (admit no slot after a stop).
     """
     cfg = params.config
     dcfg = drafter.config
@@ -340,14 +349,27 @@ def draft(drafter: DSpark, params, dstate: DecodeState, anchor, sampling: Sampli
     U = base_logits(drafter, params["head"], h, cfg.rms_norm_eps)       # [B,γ,V]
     prev = anchor
     drafts, qs, confs = [], [], []
+    m = None if constrain is None else constrain[0]
+    masks, stops = [m], []
     for k in range(g):            # sequential Markov pass (tiny: one [r] x [r,V] per slot)
         bias, e = markov(drafter, prev)
         confs.append(confidence_logits(drafter, h[:, k], e))
-        x, q = draw(U[:, k] + bias, sampling, step, k)
+        logits = U[:, k] + bias
+        if constrain is not None:
+            from deepinfer_fn.structured import unpack_bitmask
+            logits = jnp.where(unpack_bitmask(m, logits.shape[-1]), logits, -jnp.inf)
+        x, q = draw(logits, sampling, step, k)
         drafts.append(x)
         qs.append(q)
         prev = x
-    return jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(confs, 1)
+        if constrain is not None:
+            m, stop = constrain[1](x)
+            masks.append(m)
+            stops.append(stop)
+    out = jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(confs, 1)
+    if constrain is None:
+        return out
+    return out + (jnp.stack(masks, 1), jnp.stack(stops, 1))
 
 
 # ------------------------------------------------------------------------------- save / load
