@@ -42,7 +42,10 @@ Measured per step (benchmarks/results/structured_mask*.json, V = 129,280, tiny m
 B=32: +4.3 ms (host 3.4 ms on 16 cores). The engine, which schedules steps from Python anyway, can
 overlap the host step with the forward pass instead (DESIGN.md, "engine").
 
-Speculative decoding (generate(..., constraint=..., speculative="mtp"); spec/dspark.md §2.2, §2.5):
+Speculative decoding (generate(..., constraint=..., speculative="mtp" or "dspark"; spec/dspark.md
+§2.2, §2.5; the DSpark drafter masks each slot inside its sequential Markov pass, exactly as the MTP
+chain does, and additionally caps its verify length -- fixed, random or dynamic -- by the slots the
+drafts admit):
 a verify step carries m_0, the packed mask after the committed tokens. The drafter draws draft j+1
 from its logits masked by m_j (so q, the distribution actually sampled from, is masked and a
 forbidden draft is never proposed), and one `host_draft` io_callback per slot consumes the draft
