@@ -132,3 +132,24 @@ def test_bad_grammar_fails_alone_and_incomplete_is_reported():
     assert short.finish_reason == "length" and short.constraint_status == "incomplete"
     assert short.tokens == ref_tokens[1][:3]
     assert _text(short.tokens).startswith("{")
+
+
+def test_sampled_constrained_equals_generate_with_same_seed():
+    """temperature 0.8, per-request seeds: the engine's masked draws use generate()'s keys."""
+    ps = prompts()
+    temps, seeds = np.array([0.8, 0.8, 0.8, 0.8], np.float32), np.array([3, 5, 7, 11])
+    toks = np.zeros((len(ps), 64), np.int32)
+    for i, p in enumerate(ps):
+        toks[i, :len(p)] = p
+    ref = di.generate(params(), toks, lengths=np.array([len(p) for p in ps]), max_new_tokens=N,
+                      constraint=list(CONSTRAINTS), tokenizer=tokenizer(), temperature=temps,
+                      seed=seeds)
+    lengths = np.asarray(ref.lengths)
+    reqs = [Request(p, max_new_tokens=N, constraint=c, temperature=0.8, seed=int(s))
+            for p, c, s in zip(ps, CONSTRAINTS, seeds)]
+    outs = engine().generate(reqs)
+    for b, out in enumerate(outs):
+        assert out.tokens == np.asarray(ref.tokens)[b, :lengths[b]].tolist(), b
+        assert out.constraint_status == ref.constraint_status[b]
+    assert outs[0].constraint_status == "complete"
+    assert re.fullmatch(PATTERN, _text(outs[0].tokens))
