@@ -153,6 +153,28 @@ class _IdleWatcher:
         return total, n
 
 
+def _ll_masks(live):
+    """The llguidance masks of [(row, Matcher)] in one parallel call (llguidance's executor,
+    as structured.ConstrainedBatch) when there are several; per row: the packed mask, or None
+    (the matcher computes its own: thinking, or a single row)."""
+    from deepinfer_fn import structured
+    ll = [(i, m) for i, m in live if m._ll is not None and not m.thinking]
+    out = [None] * len(live)
+    if len(ll) < 2 or len({m._ll_words for _, m in ll}) != 1:
+        return out
+    scratch = np.zeros((len(ll), ll[0][1]._ll_words), np.uint32)
+    structured._executor().unsafe_compute_mask_ptr(
+        [(m._ll, k) for k, (_, m) in enumerate(ll)], scratch.ctypes.data,
+        scratch.shape[1] * 4, scratch.shape[0])
+    pos = {i: k for k, (i, _) in enumerate(ll)}
+    for j, (i, m) in enumerate(live):
+        if i in pos:
+            if m._ll.is_error():
+                m.error = structured._short(m._ll.get_error())
+            out[j] = scratch[pos[i]]
+    return out
+
+
 class Engine:
     """Offline engine over `params` (see the module docstring).
 
@@ -369,16 +391,19 @@ class Engine:
                 continue
             masks = np.full((packed.shape[0], structured.mask_words(self.cfg.vocab_size)),
                             0xFFFFFFFF, np.uint32)
+            live = []
             for i, row in enumerate(rows):
                 seq, m = row.seq, row.seq.matcher
                 if (m is None or not row.samples or seq.finish is not None
                         or row.epoch != seq.epoch or m.is_finished()):
                     continue
                 assert seq.in_flight == 1, "a constrained row's earlier tokens must be known"
-                m.fill_mask(masks[i])
+                live.append((i, m))
+            for (i, m), ll in zip(live, _ll_masks(live)):
+                m.fill_mask(masks[i], ll)
                 if m.error is not None:
                     masks[i] = 0xFFFFFFFF
-                    failed.append(seq)
+                    failed.append(rows[i].seq)
             self.state, out = sample_packed(self.state, logits, packed[:, :PACK_HEAD], masks)
             out.copy_to_host_async()
             entry[1], entry[2], entry[3] = out, None, None
