@@ -153,3 +153,23 @@ def test_sampled_constrained_equals_generate_with_same_seed():
         assert out.constraint_status == ref.constraint_status[b]
     assert outs[0].constraint_status == "complete"
     assert re.fullmatch(PATTERN, _text(outs[0].tokens))
+
+
+def test_constrained_requests_survive_preemption():
+    """6 prompts of 50-110 tokens (4 at once need more than the 23 usable pages): preempted
+    constrained requests resume with their matchers intact (same tokens as generate)."""
+    rng = np.random.default_rng(1)
+    ps = [rng.integers(2, 4096, n).tolist() for n in (95, 50, 110, 72, 101, 64)]
+    cons = [CONSTRAINTS[0], None, CONSTRAINTS[1], CONSTRAINTS[3], CONSTRAINTS[1], None]
+    toks = np.zeros((len(ps), 128), np.int32)
+    for i, p in enumerate(ps):
+        toks[i, :len(p)] = p
+    ref = di.generate(params(), toks, lengths=np.array([len(p) for p in ps]), max_new_tokens=N,
+                      constraint=cons, tokenizer=tokenizer())
+    eng = engine()
+    outs = eng.generate([Request(p, max_new_tokens=N, constraint=c) for p, c in zip(ps, cons)])
+    assert eng.last_run.preemptions > 0
+    lengths = np.asarray(ref.lengths)
+    for b, out in enumerate(outs):
+        assert out.tokens == np.asarray(ref.tokens)[b, :lengths[b]].tolist(), b
+        assert out.constraint_status == ref.constraint_status[b]
