@@ -35,6 +35,25 @@ Design notes / deviations from the suggested design:
   `replay_tokens=None` or `prefix_cache=False` for exactness.
 * A step is two device calls (prefill, decode), not one fused program: compiled shapes grow as
   (#prefill shapes + #decode buckets) rather than their product; both are issued back to back.
+
+Structured output (`Request(constraint=Regex | JsonSchema | Grammar)`, deepinfer_fn/structured.py):
+the constraint is compiled on the host at submission against the engine's `tokenizer` (a bad
+regex / schema / grammar finishes that request alone with finish_reason "error" and the message).
+A sub-batch that samples for a constrained row is split in two device calls: `forward_packed`
+(dispatched with the rest of the step, asynchronously) and `sample_packed` (a small jitted
+masked sampler: packed allowed-token bits uint32 [B, ceil(V/32)], all-ones for free and padding
+rows, unpacked and applied inside). A constrained row's mask for step s+1 needs its token of
+step s, which the host learns one step late; so the engine dispatches step s+1's forward, then
+reads step s's tokens (the matchers consume them in `commit_results`), packs step s+1's masks
+and dispatches its sampling. What overlaps: the host's mask work (consume + llguidance masks)
+and the previous step's bookkeeping run while the device runs step s+1's forward; the device
+waits for the host only between that forward and its sampling call (the masks' host -> device
+copy included), and the next step's forward is issued only after the sampling call. Sub-batches
+without a constrained sampling row keep the fused `substep_packed` (free requests in the same
+engine run sample exactly as without constrained ones: all-ones masks change no logit). A
+constrained row may emit EOS only once its matcher accepts (the mask says so); it finishes when
+the constraint completes (EOS consumed, finish_reason "stop"); `RequestOutput.constraint_status`
+is "complete" / "incomplete" (max_new_tokens or a stop token came first) / "error".
 """
 
 from __future__ import annotations
@@ -56,8 +75,9 @@ from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state
 from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
-from deepinfer_fn.engine.scheduler import Scheduler, Seq, StepPlan, bucket, buckets_up_to
-from deepinfer_fn.engine.step import substep_packed
+from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, bucket,
+                                            buckets_up_to)
+from deepinfer_fn.engine.step import forward_packed, sample_packed, substep_packed
 from deepinfer_fn.params import Params, count_params
 
 
@@ -133,6 +153,28 @@ class _IdleWatcher:
         return total, n
 
 
+def _ll_masks(live):
+    """The llguidance masks of [(row, Matcher)] in one parallel call (llguidance's executor,
+    as structured.ConstrainedBatch) when there are several; per row: the packed mask, or None
+    (the matcher computes its own: thinking, or a single row)."""
+    from deepinfer_fn import structured
+    ll = [(i, m) for i, m in live if m._ll is not None and not m.thinking]
+    out = [None] * len(live)
+    if len(ll) < 2 or len({m._ll_words for _, m in ll}) != 1:
+        return out
+    scratch = np.zeros((len(ll), ll[0][1]._ll_words), np.uint32)
+    structured._executor().unsafe_compute_mask_ptr(
+        [(m._ll, k) for k, (_, m) in enumerate(ll)], scratch.ctypes.data,
+        scratch.shape[1] * 4, scratch.shape[0])
+    pos = {i: k for k, (i, _) in enumerate(ll)}
+    for j, (i, m) in enumerate(live):
+        if i in pos:
+            if m._ll.is_error():
+                m.error = structured._short(m._ll.get_error())
+            out[j] = scratch[pos[i]]
+    return out
+
+
 class Engine:
     """Offline engine over `params` (see the module docstring).
 
@@ -148,7 +190,9 @@ class Engine:
     counts to compile (default powers of two up to max_batch). Every shape is one compiled
     sub-step (`warmup()` compiles them all up front).
     prefix_cache, replay_tokens (None = exact mode): module docstring; async_scheduling: on by
-    default; progress: a tqdm bar; measure_idle: record device idle time between steps.
+    default; progress: a tqdm bar; measure_idle: record device idle time between steps;
+    tokenizer: the `text.Tokenizer` constraints compile against (default
+    `structured.default_tokenizer()`, loaded at the first constrained request).
     """
 
     def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -157,7 +201,7 @@ class Engine:
                  prefill_shapes=None, decode_buckets=None, prefix_cache: bool = True,
                  replay_tokens: int | None = 128, async_scheduling: bool = True,
                  window_slots: int | None = None, progress: bool = True,
-                 measure_idle: bool = False):
+                 measure_idle: bool = False, tokenizer=None):
         if not isinstance(params, Params):
             raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
         cfg = params.config
@@ -206,6 +250,8 @@ class Engine:
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
         self._active_params = count_params(cfg)["active"]
+        self._tokenizer = tokenizer
+        self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
         self._cancel_lock = threading.Lock()
         self._cancelled: set = set()
         self._shapes_seen: set = set()
@@ -246,6 +292,8 @@ class Engine:
             prompt, err = validate(r, self.cfg.vocab_size, self.max_len,
                                    self.pages.capacity * self.page_size)
             seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
+            if err is None and r.constraint is not None:
+                seq.matcher, err = self._compile(r.constraint)
             seqs.append(seq)
             if err is not None:
                 seq.finish = "error"
@@ -274,6 +322,8 @@ class Engine:
                 if pending is not None:
                     yield from self._collect(pending, emitted, bar, partial_events)
                     pending = None
+                if outs is not None:        # constrained sub-batches: masks, then sampling
+                    self._sample_constrained(outs, watcher)
                 if outs is not None and not self.async_scheduling:
                     yield from self._collect(outs, emitted, bar, partial_events)
                     outs = None
@@ -291,7 +341,7 @@ class Engine:
             yield from self._drain_finished(emitted, bar)
         finally:
             if pending is not None:        # early close: finish the in-flight step
-                jax.block_until_ready(pending)
+                jax.block_until_ready(self.state)
                 pending = None
             if sched.has_work():
                 sched.cancel({s.req.request_id for s in list(sched.waiting) + sched.running})
@@ -310,9 +360,65 @@ class Engine:
         if ids:
             self.scheduler.cancel(ids)
 
+    def _compile(self, constraint):
+        """(Matcher, None) or (None, error message) for a request's constraint (host, at
+        submission); a constraint that allows nothing at the start is an error too."""
+        from deepinfer_fn import structured
+        try:
+            if self._tokenizer is None:
+                self._tokenizer = structured.default_tokenizer()
+            m = structured.Matcher(constraint, self._tokenizer, self.cfg.vocab_size)
+            if m.error is None:
+                m.allowed_mask()            # sets m.error when nothing is allowed
+        except Exception as e:              # no llguidance, a tokenizer of another model, ...
+            return None, f"constraint: {type(e).__name__}: {e}"
+        if m.error is not None:
+            return None, f"constraint: {m.error}"
+        return m, None
+
+    def _sample_constrained(self, outs, watcher):
+        """For each sub-batch dispatched as a bare forward (it samples for constrained rows):
+        packs the allowed-token masks (every earlier token of those rows is known and consumed
+        by now) and dispatches the masked sampling. A row whose constraint turns out to allow
+        nothing finishes with "error"."""
+        if not any(e[1] is None for e in outs):
+            return
+        from deepinfer_fn import structured
+        failed = []
+        for entry in outs:
+            rows, out, packed, logits = entry
+            if out is not None:
+                continue
+            masks = np.full((packed.shape[0], structured.mask_words(self.cfg.vocab_size)),
+                            0xFFFFFFFF, np.uint32)
+            live = []
+            for i, row in enumerate(rows):
+                seq, m = row.seq, row.seq.matcher
+                if (m is None or not row.samples or seq.finish is not None
+                        or row.epoch != seq.epoch or m.is_finished()):
+                    continue
+                assert seq.in_flight == 1, "a constrained row's earlier tokens must be known"
+                live.append((i, m))
+            for (i, m), ll in zip(live, _ll_masks(live)):
+                m.fill_mask(masks[i], ll)
+                if m.error is not None:
+                    masks[i] = 0xFFFFFFFF
+                    failed.append(rows[i].seq)
+            self.state, out = sample_packed(self.state, logits, packed[:, :PACK_HEAD], masks)
+            out.copy_to_host_async()
+            entry[1], entry[2], entry[3] = out, None, None
+        for seq in failed:
+            if seq.finish is None:
+                self.scheduler._finish(seq, "error")
+        if watcher is not None and self._watch is not None:
+            watcher.q.put(([e[1] for e in outs],) + self._watch)
+        self._watch = None
+
     def _dispatch(self, plan: StepPlan, watcher):
         """Packs both sub-batches (one int32 buffer each), then issues them back to back (no
-        host work between the two device calls). Nothing here waits for the device."""
+        host work between the two device calls). Nothing here waits for the device. A
+        sub-batch that samples for a constrained row is issued as its forward only (entry
+        [rows, None, packed, logits]; `_sample_constrained` completes it)."""
         sched = self.scheduler
         calls, compiled = [], False
         if plan.prefill:
@@ -327,25 +433,32 @@ class Engine:
             calls.append((plan.decode, sched.pack(plan.decode, *shape)))
         outs, t_issue = [], None
         for rows, packed in calls:
-            self.state, out = substep_packed(self.params, self.state, packed)
+            if any(row.samples and row.seq.matcher is not None for row in rows):
+                self.state, logits = forward_packed(self.params, self.state, packed)
+                outs.append([rows, None, packed, logits])
+            else:
+                self.state, out = substep_packed(self.params, self.state, packed)
+                outs.append([rows, out, None, None])
             t_issue = t_issue or time.perf_counter()
-            outs.append((rows, out))
-        for _, out in outs:
-            out.copy_to_host_async()        # ready on the host as soon as the step finishes
+        for entry in outs:
+            if entry[1] is not None:
+                entry[1].copy_to_host_async()   # ready on the host as soon as the step finishes
         sched.commit_plan(plan)
-        if watcher is not None:
+        self._watch = (t_issue, compiled)
+        if watcher is not None and all(e[1] is not None for e in outs):
             watcher.q.put(([o[1] for o in outs], t_issue, compiled))
+            self._watch = None
         return outs
 
     def _collect(self, outs, emitted, bar, partial_events=True):
         now = None
-        for rows, out in outs:
+        for rows, out, *_ in outs:
             out = np.asarray(out)[:len(rows)]           # waits for this step (the only sync)
             now = time.perf_counter()
             self.scheduler.commit_results(rows, out[:, 0].tolist(),
                                           out.view(np.float32)[:, 1].tolist(), now)
         seen = set()
-        for rows, _ in (outs if partial_events else ()):
+        for rows, *_ in (outs if partial_events else ()):
             for row in rows:
                 seq = row.seq
                 if id(seq) in seen or seq.finish is not None:
@@ -365,7 +478,9 @@ class Engine:
             emitted[seq.index] = len(seq.generated)
             err = None
             if seq.finish == "error":
-                err = "the request could not be scheduled (page pool exhausted)"
+                err = ("the request could not be scheduled (page pool exhausted)"
+                       if seq.matcher is None or seq.matcher.error is None
+                       else f"constraint: {seq.matcher.error}")
             if bar is not None:
                 bar.update(1)
             yield StreamEvent(seq.req.request_id, seq.index, seq.generated[k:], self._output(seq, err))
@@ -378,8 +493,13 @@ class Engine:
         if seq.t_first is not None:
             m.ttft = seq.t_first - seq.t_submit
             m.tpot = (seq.t_last - seq.t_first) / (n - 1) if n > 1 else 0.0
+        status = None
+        if seq.req.constraint is not None:
+            mt = seq.matcher
+            status = ("error" if mt is None or mt.error is not None or seq.finish == "error"
+                      else "complete" if mt.is_accepting() else "incomplete")
         return RequestOutput(seq.req.request_id, list(seq.generated), seq.finish, err,
-                             list(seq.logprobs), m)
+                             list(seq.logprobs), m, status)
 
     def _record_run(self, seqs, t0, base, idle):
         sched = self.scheduler

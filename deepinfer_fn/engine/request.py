@@ -30,6 +30,11 @@ class Request:
     `deepinfer_fn.sampling.request_key`, so it equals `generate(..., seed=seed)`).
     max_new_tokens: generation limit; stop_tokens: the request ends right after emitting one.
     request_id: any hashable; default a fresh integer.
+    constraint: structured output (`deepinfer_fn.Regex`, `JsonSchema` or `Grammar`), compiled on
+    the host at submission against the engine's tokenizer; every sampled token is drawn under
+    the constraint's allowed-token mask, EOS only once the text matches, and the request ends
+    when the constraint completes (EOS emitted, included in `tokens`). A constraint that does not
+    compile fails this request alone (finish_reason "error").
     """
 
     tokens: Sequence[int]
@@ -41,6 +46,7 @@ class Request:
     seed: int = 0
     stop_tokens: Sequence[int] = ()
     request_id: object = None
+    constraint: object = None
 
     def __post_init__(self):
         if self.request_id is None:
@@ -70,7 +76,10 @@ class RequestMetrics:
 class RequestOutput:
     """tokens: the generated ids (a stop token included); finish_reason in FINISH_REASONS;
     error: the message when finish_reason == "error"; logprobs: log p of each token under the
-    model (before temperature and filters, as `sampling.sample` reports)."""
+    model (before temperature and filters, as `sampling.sample` reports; restricted to the
+    allowed tokens for a constrained request). constraint_status: None (free request),
+    "complete" (the output fully matches the constraint), "incomplete" (max_new_tokens or a
+    stop token ended it first: only a prefix of a match) or "error" (the message in `error`)."""
 
     request_id: object
     tokens: list[int]
@@ -78,6 +87,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)
     metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
+    constraint_status: str | None = None
 
 
 def as_request(item, default_max_new_tokens: int) -> Request:

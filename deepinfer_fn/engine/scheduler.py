@@ -62,6 +62,7 @@ class Seq:
     cached_tokens: int = 0
     replayed_tokens: int = 0
     preemptions: int = 0
+    matcher: object = None          # structured.Matcher of a constrained request (else None)
 
     @property
     def prefilling(self) -> bool:
@@ -330,6 +331,11 @@ class Scheduler:
             if seq.t_first is None:
                 seq.t_first = now
             seq.t_last = now
+            if seq.matcher is not None:      # drawn under its mask: accepted (EOS only when
+                seq.matcher.consume(tok)     # the text matches); EOS ends the constraint
+                if seq.matcher.is_finished():
+                    self._finish(seq, "error" if seq.matcher.error else "stop")
+                    continue
             if tok in seq.stops:
                 self._finish(seq, "stop")
             elif len(seq.generated) >= seq.req.max_new_tokens:

@@ -29,6 +29,7 @@ layer) every call; a paged attention kernel reading the pools in place would avo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +41,7 @@ from deepinfer_fn.engine.scheduler import META_COLUMNS, PACK_HEAD  # noqa: F401 
 from deepinfer_fn.model import transformer
 from deepinfer_fn.sampling import SamplingParams, sample
 from deepinfer_fn.state import DecodeState
+from deepinfer_fn.structured import unpack_bitmask
 
 
 
@@ -99,8 +101,9 @@ def unpack_sampling(meta, fparams) -> SamplingParams:
                           seed=jax.lax.bitcast_convert_type(meta[:, 6], jnp.uint32))
 
 
-def _substep(params, state: PagedState, meta, fparams, block_table, tokens, return_logits):
-    """The body of `substep` (shared by `substep` and `substep_packed`)."""
+def _forward(params, state: PagedState, meta, block_table, tokens):
+    """The forward half of `_substep`: (state with rings and pages written but `last_token`
+    untouched, logits f32 [B, V] of each row's last token)."""
     slot, start, n_new, row_floor, fresh = (meta[:, i] for i in range(5))
     if tokens is None:
         tokens = jnp.take(state.last_token, slot, mode="clip")[:, None]
@@ -113,15 +116,32 @@ def _substep(params, state: PagedState, meta, fparams, block_table, tokens, retu
         layers.append(sl)
     dstate = DecodeState(tuple(layers), start, state.max_len, state.window_slots)
     logits, new, _ = transformer.forward_chunk(params, dstate, tokens, n_new, row_floor=row_floor)
-    sampled, logp = sample_rows(logits, unpack_sampling(meta, fparams), start + n_new)
     new_slots = tuple({k: v for k, v in layer.items() if k not in POOL_KEYS}
                       for layer in new.layers)
     state = PagedState(
         _scatter_slots(state.slots, new_slots, slot),
         _scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
                       state.page_size, S),
-        state.last_token.at[slot].set(sampled, mode="drop"),
-        state.page_size, state.max_pages, state.window_slots)
+        state.last_token, state.page_size, state.max_pages, state.window_slots)
+    return state, logits
+
+
+def _sample_write(state: PagedState, logits, meta, fparams, allowed=None):
+    """The sampling half of `_substep`: samples each row's next token (under `allowed` bool
+    [B, V] when given) and writes it into `last_token`. Returns (state, sampled, logprobs)."""
+    slot, start, n_new = meta[:, 0], meta[:, 1], meta[:, 2]
+    if allowed is None:
+        sampled, logp = sample_rows(logits, unpack_sampling(meta, fparams), start + n_new)
+    else:
+        sampled, logp = sample(logits, unpack_sampling(meta, fparams), start + n_new, allowed)
+    state = dataclasses.replace(state, last_token=state.last_token.at[slot].set(sampled, mode="drop"))
+    return state, sampled, logp
+
+
+def _substep(params, state: PagedState, meta, fparams, block_table, tokens, return_logits):
+    """The body of `substep` (shared by `substep` and `substep_packed`)."""
+    state, logits = _forward(params, state, meta, block_table, tokens)
+    state, sampled, logp = _sample_write(state, logits, meta, fparams)
     if return_logits:
         return state, sampled, logp, logits
     return state, sampled, logp
@@ -160,5 +180,30 @@ def substep_packed(params, state: PagedState, packed):
     f32 bits))."""
     meta, fparams, bt, toks = unpack(packed, state.max_pages)
     state, sampled, logp = _substep(params, state, meta, fparams, bt, toks, False)
+    out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
+    return state, out
+
+
+# --- constrained sub-batches (structured output): forward and masked sampling, split ----------
+
+
+@functools.partial(jax.jit, donate_argnums=(1,))
+def forward_packed(params, state: PagedState, packed):
+    """The forward half of `substep_packed` (a sub-batch with constrained rows): returns (state,
+    logits f32 [B, V]); `last_token` is written by the `sample_packed` call that follows, once
+    the host has packed the masks (it computes them while this forward runs)."""
+    meta, _, bt, toks = unpack(packed, state.max_pages)
+    return _forward(params, state, meta, bt, toks)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def sample_packed(state: PagedState, logits, head, masks):
+    """The sampling half (head int32 [B, PACK_HEAD]: the first columns of the packed buffer):
+    masks uint32 [B, ceil(V/32)] (packed allowed-token bits; all-ones for
+    free and padding rows) applied inside the sampler. Returns (state, out int32 [B, 2]) as
+    `substep_packed`."""
+    meta, fparams, _, _ = unpack(head, 0)
+    allowed = unpack_bitmask(masks, logits.shape[-1])
+    state, sampled, logp = _sample_write(state, logits, meta, fparams, allowed)
     out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
     return state, out
