@@ -58,9 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import deepinfer_fn as di
-from deepinfer_fn.engine import Engine, Request
+from deepinfer_fn.engine import Engine
 from deepinfer_fn.engine import engine as engine_mod
-from deepinfer_fn.engine import scheduler as scheduler_mod
+from benchmarks.engine import workload  # the same request mix as the engine benchmark
 from deepinfer_fn.engine.step import unpack
 from deepinfer_fn.params import Params, is_spec, leaf_dtype, param_specs
 
@@ -201,17 +201,6 @@ def install(engine: Engine, stub, timer: PhaseTimer | None):
 
 
 # ----------------------------------------------------------------------------- workload
-def workload(args, vocab: int):
-    rng = np.random.default_rng(args.seed)
-    systems = [rng.integers(2, vocab, args.system_len).tolist() for _ in range(args.systems)]
-    reqs = []
-    for i in range(args.requests):
-        suffix = rng.integers(2, vocab, int(rng.integers(args.suffix_min, args.suffix_max + 1)))
-        reqs.append(Request(systems[i % args.systems] + suffix.tolist(),
-                            max_new_tokens=args.new, request_id=i))
-    return reqs
-
-
 def build_engine(args, params):
     shapes = tuple(tuple(int(v) for v in x.split("x")) for x in args.prefill_shapes.split(","))
     buckets = tuple(int(x) for x in args.decode_buckets.split(","))

@@ -424,6 +424,67 @@ def _spec_prefill(params, state, mstate, tokens, lengths, chunk):
     return last_logits, last_streams, state, mstate
 
 
+def _spec_first_token(logits, sampling, lengths, done, masks, session, pad_id, stops, *,
+                      n: int, width: int):
+    """The first generated token of a speculative loop, sampled from the prefill logits as
+    plain decoding does (under `masks`, then consumed by the host matchers, when constrained).
+    Returns (first [B], out [B,width], logp [B,width], count [B], done [B], masks, ended [B]):
+    the output buffers with the first token written, and the rows the constraint finished."""
+    B = logits.shape[0]
+    constrained = masks is not None
+    allowed = structured.unpack_bitmask(masks, logits.shape[-1]) if constrained else None
+    first, first_lp = sample(logits, sampling, lengths, allowed)
+    active = ~done
+    out = jnp.full((B, width), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
+    logp = jnp.zeros((B, width), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
+    count = active.astype(jnp.int32)
+    ended = jnp.zeros((B,), bool)          # rows the constraint finished
+    if constrained:
+        masks, ended = io_callback(structured.host_step,
+                                   (jax.ShapeDtypeStruct(masks.shape, jnp.uint32),
+                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
+                                   session, first, active, ordered=False)
+        ended = ended & active
+    done = done | jnp.isin(first, stops) | (n <= 1) | ended
+    return first, out, logp, count, done, masks, ended
+
+
+def _verify_and_emit(logits, drafts, q, sampling, step, ell, active, out, logp, count, stops,
+                     constraint, *, n: int):
+    """One verify step's accept/reject (`spec.verify` on the, possibly masked, target logits
+    [B,k+1,V]) and the write of its emitted tokens into out/logp at each row's `count`,
+    truncated after a stop token. constraint: None, or (masks [B,W], ended [B], session) for
+    the `host_commit` io_callback that rolls the matchers back to the accepted drafts and
+    consumes the correction/bonus token (it may keep fewer tokens: an accepted EOS draft).
+    Returns (tokens [B,k+1], g [B], n_emit [B] (tokens the target state keeps), hit [B] (the
+    row ended), out, logp, count, extra) with extra = (next masks, ended) or ()."""
+    B, K1 = drafts.shape[0], drafts.shape[1] + 1
+    j = jnp.arange(K1)[None]
+    rows = jnp.arange(B)[:, None]
+    tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
+    n_emit = jnp.where(active, g + 1, 0)
+    is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
+    hit = jnp.any(is_stop, axis=1)
+    n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
+    extra = ()
+    if constraint is not None:  # roll the matchers back to the accepted drafts, consume the rest
+        masks, ended_before, session = constraint
+        next_masks, ended, n_keep = io_callback(
+            structured.host_commit,
+            (jax.ShapeDtypeStruct(masks.shape, jnp.uint32),
+             jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.int32)),
+            session, tokens, g, n_out, active, ordered=False)
+        ended = ended & active
+        n_out = jnp.where(active, jnp.minimum(n_out, n_keep), 0)
+        hit = hit | ended
+        extra = (next_masks, ended_before | ended)
+    idx = jnp.where(j < n_out[:, None], count[:, None] + j, out.shape[1])
+    out = out.at[rows, idx].set(tokens, mode="drop")
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
+    logp = logp.at[rows, idx].set(lp, mode="drop")
+    return tokens, g, n_emit, hit, out, logp, count + n_out, extra
+
+
 @functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"))
 def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits, last_streams,
                  done, sampling: SamplingParams, pad_id, masks=None, session=None, *, n: int,
@@ -453,27 +514,13 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
     V = logits.shape[-1]
     constrained = masks is not None
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-    allowed = structured.unpack_bitmask(masks, V) if constrained else None
-    first, first_lp = sample(logits, sampling, state.lengths, allowed)
-    active = ~done
-    out = jnp.full((B, n + K1), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
-    logp = jnp.zeros((B, n + K1), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
-    count = active.astype(jnp.int32)
-    ended = jnp.zeros((B,), bool)          # rows the constraint finished
-    if constrained:
-        masks, ended = io_callback(structured.host_step,
-                                   (jax.ShapeDtypeStruct(masks.shape, jnp.uint32),
-                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
-                                   session, first, active, ordered=False)
-        ended = ended & active
-    done = done | jnp.isin(first, stops) | (n <= 1) | ended
+    first, out, logp, count, done, masks, ended = _spec_first_token(
+        logits, sampling, state.lengths, done, masks, session, pad_id, stops, n=n, width=n + K1)
     pend_streams = jnp.zeros((B, K1) + last_streams.shape[1:], last_streams.dtype)
     pend_streams = pend_streams.at[:, 0].set(last_streams)
     pend_ids = jnp.zeros((B, K1), jnp.int32).at[:, 0].set(first)
     pend_n = jnp.where(done, 0, 1).astype(jnp.int32)
     hist = jnp.full((B, n), -1, jnp.int32)
-    rows = jnp.arange(B)[:, None]
-    j = jnp.arange(K1)[None]
 
     def cond(loop):
         return (loop[0] < n) & ~jnp.all(loop[9])
@@ -505,27 +552,9 @@ def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits
             params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True)
         if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
             logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
-        tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
-        n_emit = jnp.where(active, g + 1, 0)
-        is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
-        hit = jnp.any(is_stop, axis=1)
-        n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
-        extra = ()
-        if constrained:  # roll the matchers back to the accepted drafts, consume the rest
-            next_masks, ended, n_keep = io_callback(
-                structured.host_commit,
-                (jax.ShapeDtypeStruct(loop[13].shape, jnp.uint32),
-                 jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.int32)),
-                session, tokens, g, n_out, active, ordered=False)
-            ended = ended & active
-            n_out = jnp.where(active, jnp.minimum(n_out, n_keep), 0)
-            hit = hit | ended
-            extra = (next_masks, loop[14] | ended)
-        idx = jnp.where(j < n_out[:, None], count[:, None] + j, n + K1)
-        out = out.at[rows, idx].set(tokens, mode="drop")
-        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
-        logp = logp.at[rows, idx].set(lp, mode="drop")
-        count = count + n_out
+        tokens, g, n_emit, hit, out, logp, count, extra = _verify_and_emit(
+            logits, drafts, q, sampling, step, ell, active, out, logp, count, stops,
+            (loop[13], loop[14], session) if constrained else None, n=n)
         state = spec.rollback(new_state, state.lengths + n_emit)
         acc_h = acc_h.at[:, i].set(jnp.where(active, g, -1))
         ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
@@ -685,23 +714,9 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
     V = logits.shape[-1]
     constrained = masks is not None
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-    allowed = structured.unpack_bitmask(masks, V) if constrained else None
-    first, first_lp = sample(logits, sampling, state.lengths, allowed)
-    active = ~done
-    out = jnp.full((B, n + K1), pad_id, jnp.int32).at[:, 0].set(jnp.where(active, first, pad_id))
-    logp = jnp.zeros((B, n + K1), jnp.float32).at[:, 0].set(jnp.where(active, first_lp, 0.0))
-    count = active.astype(jnp.int32)
-    ended = jnp.zeros((B,), bool)          # rows the constraint finished
-    if constrained:
-        masks, ended = io_callback(structured.host_step,
-                                   (jax.ShapeDtypeStruct(masks.shape, jnp.uint32),
-                                    jax.ShapeDtypeStruct((B,), jnp.bool_)),
-                                   session, first, active, ordered=False)
-        ended = ended & active
-    done = done | jnp.isin(first, stops) | (n <= 1) | ended
+    first, out, logp, count, done, masks, ended = _spec_first_token(
+        logits, sampling, state.lengths, done, masks, session, pad_id, stops, n=n, width=n + K1)
     hist = jnp.full((B, n), -1, jnp.int32)
-    rows = jnp.arange(B)[:, None]
-    j = jnp.arange(K1)[None]
 
     def cond(loop):
         return (loop[0] < n) & ~jnp.all(loop[7])
@@ -741,27 +756,9 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
                 verify_forward, ids, schedule.verify_columns(ell, active))
         if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
             logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
-        tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
-        n_emit = jnp.where(active, g + 1, 0)
-        is_stop = jnp.isin(tokens, stops) & (j < n_emit[:, None])
-        hit = jnp.any(is_stop, axis=1)
-        n_out = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, n_emit)
-        extra = ()
-        if constrained:  # roll the matchers back to the accepted drafts, consume the rest
-            next_masks, ended, n_keep = io_callback(
-                structured.host_commit,
-                (jax.ShapeDtypeStruct(loop[12].shape, jnp.uint32),
-                 jax.ShapeDtypeStruct((B,), jnp.bool_), jax.ShapeDtypeStruct((B,), jnp.int32)),
-                session, tokens, g, n_out, active, ordered=False)
-            ended = ended & active
-            n_out = jnp.where(active, jnp.minimum(n_out, n_keep), 0)
-            hit = hit | ended
-            extra = (next_masks, loop[13] | ended)
-        idx = jnp.where(j < n_out[:, None], count[:, None] + j, n + K1)
-        out = out.at[rows, idx].set(tokens, mode="drop")
-        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], -1)[..., 0]
-        logp = logp.at[rows, idx].set(lp, mode="drop")
-        count = count + n_out
+        tokens, g, n_emit, hit, out, logp, count, extra = _verify_and_emit(
+            logits, drafts, q, sampling, step, ell, active, out, logp, count, stops,
+            (loop[12], loop[13], session) if constrained else None, n=n)
         state = spec.rollback(new_state, state.lengths + n_emit)
         dstate = spec.dspark.push(drafter, params.config, dstate, feats, n_emit)
         anchor = jnp.take_along_axis(tokens, g[:, None], axis=1)[:, 0]

@@ -167,6 +167,10 @@ class Scheduler:
             n_blocks = min(seq.pos, len(known), len(seq.pages) * self.page_size) // self.page_size
             # A block is complete once every position in it was dispatched.
             self.cache.insert(known, seq.pages[:n_blocks])
+        self._release_slot(seq)
+
+    def _release_slot(self, seq: Seq) -> None:
+        """Drops the request's page references and returns its slot to the free list."""
         for p in seq.pages:
             self.pages.release(p)
         seq.pages = []
@@ -228,12 +232,7 @@ class Scheduler:
         seq.pos, seq.row_floor, seq.fresh = start, h, True
         first_end = min(len(seq.ext), start + self.chunk)
         if not self._allocate(seq, max(first_end, h), None, may_preempt=False):
-            for p in seq.pages:
-                self.pages.release(p)
-            seq.pages = []
-            self.block_table[seq.slot] = NULL_PAGE
-            self.free_slots.append(seq.slot)
-            seq.slot = None
+            self._release_slot(seq)
             return False
         seq.cached_tokens = h
         seq.replayed_tokens = h - start
