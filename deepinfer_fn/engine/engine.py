@@ -71,12 +71,13 @@ import numpy as np
 
 from deepinfer_fn.config import CSA, HCA
 from deepinfer_fn.engine.pages import PageAllocator
-from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state
+from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state, init_spec_state
 from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
 from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, bucket,
                                             buckets_up_to)
+from deepinfer_fn.engine.spec_step import spec_decode_packed, spec_prefill_packed
 from deepinfer_fn.engine.step import forward_packed, sample_packed, substep_packed
 from deepinfer_fn.params import Params, count_params
 
@@ -118,6 +119,23 @@ class RunMetrics:
     idle_total_s: float = float("nan")
     idle_mean_s: float = float("nan")
     idle_steps_measured: int = 0
+    # speculative engines (spec/dspark.md §4.1; NaN / 0 otherwise): spec_row_steps = verify
+    # steps summed over rows; spec_verified / spec_accepted = drafts verified / accepted in
+    # them; spec_committed = tokens they committed (g + 1 each, the bonus included, before the
+    # host's truncation at a stop token); mean_verify_len = spec_verified / spec_row_steps;
+    # acceptance_rate = spec_accepted / spec_verified; tau = spec_committed / spec_row_steps;
+    # all_accepted_tokens_per_s = spec_row_steps x (1 + γ) / wall (the "1 + γ" figure,
+    # §4.2: what the throughput would be if every draft were accepted, next to the real
+    # throughput_tokens_per_s); verified_tokens_per_s = (spec_row_steps + spec_verified) / wall.
+    spec_row_steps: int = 0
+    spec_verified: int = 0
+    spec_accepted: int = 0
+    spec_committed: int = 0
+    mean_verify_len: float = float("nan")
+    acceptance_rate: float = float("nan")
+    tau: float = float("nan")
+    all_accepted_tokens_per_s: float = float("nan")
+    verified_tokens_per_s: float = float("nan")
 
 
 class _IdleWatcher:
@@ -193,6 +211,13 @@ class Engine:
     default; progress: a tqdm bar; measure_idle: record device idle time between steps;
     tokenizer: the `text.Tokenizer` constraints compile against (default
     `structured.default_tokenizer()`, loaded at the first constrained request).
+
+    speculative: None, "dspark" (drafter: a `speculative.DSpark` for this target, γ its block
+    size; num_draft_tokens, if given, must equal γ) or "mtp" (the params' MTP block drafts
+    num_draft_tokens = k tokens, default 3). verify_len: "fixed" (verify every draft the
+    budget allows) or "dynamic" (DSpark only; verify_cost: a `speculative.schedule.VerifyCost`
+    profile, read at each decode bucket's size). See the module docstring, "Speculative
+    decoding".
     """
 
     def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -201,7 +226,9 @@ class Engine:
                  prefill_shapes=None, decode_buckets=None, prefix_cache: bool = True,
                  replay_tokens: int | None = 128, async_scheduling: bool = True,
                  window_slots: int | None = None, progress: bool = True,
-                 measure_idle: bool = False, tokenizer=None):
+                 measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
+                 drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
+                 verify_cost=None):
         if not isinstance(params, Params):
             raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
         cfg = params.config
@@ -232,6 +259,13 @@ class Engine:
         if decode_buckets[-1] < min(max_batch, max_tokens_per_step):
             raise ValueError(f"decode_buckets {decode_buckets} must reach "
                              f"min(max_batch, max_tokens_per_step)")
+        gamma = self._check_speculative(speculative, drafter, num_draft_tokens, verify_len,
+                                        verify_cost)
+        if gamma and max_tokens_per_step < gamma + 1:
+            raise ValueError(f"max_tokens_per_step={max_tokens_per_step} must be >= 1 + γ = "
+                             f"{gamma + 1} (a speculative decode row verifies up to 1 + γ tokens)")
+        if gamma:       # rejected drafts must not overwrite live ring entries (state.py)
+            window_slots = max(window_slots or 0, cfg.sliding_window + gamma)
         if replay_tokens is not None and replay_tokens < cfg.csa_ratio:
             raise ValueError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
                              f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
@@ -245,10 +279,22 @@ class Engine:
         self.scheduler = Scheduler(max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
                                    prefill_shapes=prefill_shapes, page_size=page_size,
                                    max_pages=max_pages, pages=self.pages, cache=self.cache,
-                                   replay_tokens=replay_tokens)
+                                   replay_tokens=replay_tokens,
+                                   spec_width=gamma + 1 if gamma else 0)
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
+        self.speculative, self.drafter, self.gamma = speculative, drafter, gamma
+        self.verify_len = verify_len
+        self._sched_args = {}
+        if gamma:
+            self.state = dataclasses.replace(self.state, spec=init_spec_state(
+                cfg, max_batch=max_batch, method=speculative, dtype=params.dtype,
+                drafter=drafter, k=gamma, window_slots=self.state.window_slots))
+            if speculative == "dspark":
+                from deepinfer_fn.generate import _dspark_schedule_args
+                self._sched_args = {b: _dspark_schedule_args(drafter, verify_len, verify_cost, b)
+                                    for b in decode_buckets}
         self._active_params = count_params(cfg)["active"]
         self._tokenizer = tokenizer
         self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
@@ -256,6 +302,44 @@ class Engine:
         self._cancelled: set = set()
         self._shapes_seen: set = set()
         self.last_run = RunMetrics()
+
+    def _check_speculative(self, speculative, drafter, k, verify_len, verify_cost) -> int:
+        """Validates the speculative arguments; returns γ (drafts per step) or 0."""
+        if speculative is None:
+            if drafter is not None or k is not None or verify_cost is not None:
+                raise ValueError("drafter / num_draft_tokens / verify_cost need speculative="
+                                 "'dspark' or 'mtp'")
+            return 0
+        from deepinfer_fn.api import mesh_context
+        if mesh_context(self.params)[0] is not None:
+            raise NotImplementedError("a speculative engine on a sharded mesh is not supported yet")
+        if verify_len not in ("fixed", "dynamic"):
+            raise ValueError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
+        if speculative == "dspark":
+            from deepinfer_fn.speculative.dspark import DSpark, check_target
+            if not isinstance(drafter, DSpark):
+                raise ValueError("speculative='dspark' needs drafter=<a loaded DSpark drafter>, "
+                                 "e.g. deepinfer_fn.speculative.load_dspark(path, params) (got "
+                                 f"{type(drafter).__name__})")
+            check_target(drafter.config, self.cfg)
+            gamma = drafter.config.block_size
+            if k is not None and k != gamma:
+                raise ValueError(f"num_draft_tokens={k!r} but this DSpark drafter has block size "
+                                 f"{gamma}: the draft width is a checkpoint constant")
+            return gamma
+        if speculative != "mtp":
+            raise ValueError(f"speculative={speculative!r}: expected None, 'mtp' or 'dspark'")
+        if drafter is not None:
+            raise ValueError("drafter= is only used with speculative='dspark'")
+        if not self.params["mtp"]:
+            raise ValueError("speculative='mtp' needs params with an MTP block (these have none)")
+        if verify_len != "fixed" or verify_cost is not None:
+            raise ValueError("speculative='mtp' verifies every draft (verify_len='fixed'): "
+                             "the MTP has no confidence head for a dynamic verify length")
+        k = 3 if k is None else k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
+        return int(k)
 
     # ------------------------------------------------------------------ public
     def generate(self, requests: Iterable, *, max_new_tokens: int = 16) -> list[RequestOutput]:
@@ -286,13 +370,16 @@ class Engine:
         sched = self.scheduler
         t0 = time.perf_counter()
         base = dict(steps=0, decode_rows=0, pre=sched.preemptions, hit=sched.cache_hit_tokens,
-                    prefill=sched.prefill_tokens)
+                    prefill=sched.prefill_tokens, spec=self._spec_counters())
         seqs, emitted, pending_events = [], {}, []
         for i, r in enumerate(reqs):
             prompt, err = validate(r, self.cfg.vocab_size, self.max_len,
                                    self.pages.capacity * self.page_size)
             seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
-            if err is None and r.constraint is not None:
+            if err is None and r.constraint is not None and self.gamma:
+                err = ("constraint: constrained requests are not supported by a speculative "
+                       "engine yet (Engine(speculative=...)); run them in a plain Engine")
+            elif err is None and r.constraint is not None:
                 seq.matcher, err = self._compile(r.constraint)
             seqs.append(seq)
             if err is not None:
@@ -425,15 +512,25 @@ class Engine:
             shape = plan.prefill_shape
             compiled |= shape not in self._shapes_seen
             self._shapes_seen.add(shape)
-            calls.append((plan.prefill, sched.pack(plan.prefill, *shape)))
+            calls.append((plan.prefill, sched.pack(plan.prefill, *shape), False))
         if plan.decode:
             shape = (bucket(len(plan.decode), self.decode_buckets), None)
             compiled |= shape not in self._shapes_seen
             self._shapes_seen.add(shape)
-            calls.append((plan.decode, sched.pack(plan.decode, *shape)))
+            calls.append((plan.decode, sched.pack(plan.decode, *shape), True))
         outs, t_issue = [], None
-        for rows, packed in calls:
-            if any(row.samples and row.seq.matcher is not None for row in rows):
+        for rows, packed, is_decode in calls:
+            if self.gamma and is_decode:
+                self.state, out = spec_decode_packed(
+                    self.params, self.drafter, self.state, packed,
+                    self._sched_args.get(packed.shape[0]), method=self.speculative,
+                    mode=self.verify_len, k=self.gamma)
+                outs.append([rows, out, None, None, "spec"])
+            elif self.gamma:
+                self.state, out = spec_prefill_packed(self.params, self.drafter, self.state,
+                                                      packed, method=self.speculative)
+                outs.append([rows, out, None, None])
+            elif any(row.samples and row.seq.matcher is not None for row in rows):
                 self.state, logits = forward_packed(self.params, self.state, packed)
                 outs.append([rows, None, packed, logits])
             else:
@@ -452,9 +549,12 @@ class Engine:
 
     def _collect(self, outs, emitted, bar, partial_events=True):
         now = None
-        for rows, out, *_ in outs:
+        for rows, out, *rest in outs:
             out = np.asarray(out)[:len(rows)]           # waits for this step (the only sync)
             now = time.perf_counter()
+            if rest[-1:] == ["spec"]:
+                self.scheduler.commit_spec_results(rows, out, now)
+                continue
             self.scheduler.commit_results(rows, out[:, 0].tolist(),
                                           out.view(np.float32)[:, 1].tolist(), now)
         seen = set()
@@ -501,6 +601,10 @@ class Engine:
         return RequestOutput(seq.req.request_id, list(seq.generated), seq.finish, err,
                              list(seq.logprobs), m, status)
 
+    def _spec_counters(self) -> tuple[int, int, int, int]:
+        s = self.scheduler
+        return s.spec_row_steps, s.spec_verified, s.spec_accepted, s.spec_committed
+
     def _record_run(self, seqs, t0, base, idle):
         sched = self.scheduler
         wall = time.perf_counter() - t0
@@ -520,14 +624,32 @@ class Engine:
             throughput_tokens_per_s=gen / wall if wall > 0 else 0.0,
             idle_total_s=idle[0], idle_mean_s=idle[0] / idle[1] if idle[1] else float("nan"),
             idle_steps_measured=idle[1])
+        rows, ver, acc, com = (a - b for a, b in zip(self._spec_counters(), base["spec"]))
+        if self.gamma:
+            nan = float("nan")
+            m = self.last_run
+            m.spec_row_steps, m.spec_verified, m.spec_accepted, m.spec_committed = rows, ver, acc, com
+            m.mean_verify_len = ver / rows if rows else nan
+            m.acceptance_rate = acc / ver if ver else nan
+            m.tau = com / rows if rows else nan
+            m.all_accepted_tokens_per_s = rows * (1 + self.gamma) / wall if wall > 0 else nan
+            m.verified_tokens_per_s = (rows + ver) / wall if wall > 0 else nan
 
     def warmup(self) -> float:
         """Compiles every sub-step shape (prefill and decode buckets) with all-padding rows,
         which change nothing; returns the seconds it took."""
         t0 = time.perf_counter()
         for n, width in self.prefill_shapes + tuple((n, None) for n in self.decode_buckets):
-            self.state, _ = substep_packed(self.params, self.state,
-                                           self.scheduler.pack([], n, width))
+            packed = self.scheduler.pack([], n, width)
+            if not self.gamma:
+                self.state, _ = substep_packed(self.params, self.state, packed)
+            elif width is None:
+                self.state, _ = spec_decode_packed(
+                    self.params, self.drafter, self.state, packed, self._sched_args.get(n),
+                    method=self.speculative, mode=self.verify_len, k=self.gamma)
+            else:
+                self.state, _ = spec_prefill_packed(self.params, self.drafter, self.state,
+                                                    packed, method=self.speculative)
             self._shapes_seen.add((n, width))
         jax.block_until_ready(self.state)
         return time.perf_counter() - t0

@@ -12,6 +12,15 @@ decode row by 1), so the host never waits for the device to build the next step;
 tokens are seen one step late in asynchronous mode, and the extra token of a row that already
 stopped is discarded (`epoch` also discards the results of rows preempted while in flight).
 
+Speculative engines (`spec_width` = γ + 1 > 0, engine/spec_step.py): a decode row advances by
+1..γ+1 positions, known only on the device (`PagedState.spec`). `pos` is then an upper bound
+(+γ+1 per dispatched step, capped at the last position the request can write), used to allocate
+pages; `commit_spec_results` sets it back to the exact length the step reports plus γ+1 per
+step still in flight. A decode row costs γ+1 tokens of the step budget. A request resumed after
+preemption re-prefills prompt + generated[:-1] without sampling and takes generated[-1] as its
+anchor (`resume_anchor`), so its next verify step is the one an uninterrupted run would take
+(same step counter `spec_steps`, same random streams).
+
 Policy:
 * decode rows first (every running sequence whose prompt is done and whose generation is not
   finished), then chunked prefill rows under the rest of the token budget, oldest first;
@@ -63,6 +72,8 @@ class Seq:
     replayed_tokens: int = 0
     preemptions: int = 0
     matcher: object = None          # structured.Matcher of a constrained request (else None)
+    spec_steps: int = 0             # verify steps whose results the host applied (speculative)
+    resume_anchor: int | None = None  # speculative resume: the anchor token (not re-sampled)
 
     @property
     def prefilling(self) -> bool:
@@ -93,7 +104,10 @@ class StepPlan:
 
 
 META_COLUMNS = ("slot", "start", "n_new", "row_floor", "fresh", "top_k", "seed")
-PACK_HEAD = 10          # meta (7 int32 columns) + fparams (temperature, top_p, min_p as f32 bits)
+SPEC_COLUMNS = ("spec_init", "spec_left", "spec_step", "spec_anchor")   # columns 10..13
+PACK_HEAD = 14          # meta (7 int32 columns) + fparams (temperature, top_p, min_p as f32
+#                         bits) + SPEC_COLUMNS (speculative prefill rows: on the final chunk,
+#                         init = 1, the token budget after it, the step counter, the anchor or -1)
 
 
 def buckets_up_to(n: int) -> tuple[int, ...]:
@@ -114,13 +128,16 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 class Scheduler:
     def __init__(self, *, max_batch: int, max_tokens_per_step: int,
                  prefill_shapes: tuple[tuple[int, int], ...], page_size: int, max_pages: int,
-                 pages: PageAllocator, cache: RadixCache | None, replay_tokens: int | None):
+                 pages: PageAllocator, cache: RadixCache | None, replay_tokens: int | None,
+                 spec_width: int = 0):
         self.max_batch, self.budget = max_batch, max_tokens_per_step
         self.prefill_shapes = tuple(prefill_shapes)
         self.chunk = max(w for _, w in prefill_shapes)
         self.prefill_rows = max(r for r, _ in prefill_shapes)
         self.page_size, self.max_pages = page_size, max_pages
         self.pages, self.cache, self.replay = pages, cache, replay_tokens
+        self.spec_width = spec_width          # γ + 1 (speculative engine) or 0
+        self.decode_cost = spec_width or 1    # budget tokens per decode row
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []          # admission order
         self.free_slots = list(range(max_batch - 1, -1, -1))
@@ -130,12 +147,15 @@ class Scheduler:
         self.block_table = self.slot_rows[:, PACK_HEAD:]          # a view
         self._pad_row = np.zeros(PACK_HEAD + max_pages, np.int32)
         self._pad_row[0] = max_batch                              # out-of-range slot
-        self._pad_row[7:PACK_HEAD] = np.array([0.0, 1.0, 0.0], np.float32).view(np.int32)
+        self._pad_row[7:10] = np.array([0.0, 1.0, 0.0], np.float32).view(np.int32)
         self._admissions = 0
         self.preemptions = 0
         self.cache_hit_tokens = 0
         self.prefill_tokens = 0               # computed prefill positions (replay included)
         self.finished: list[Seq] = []         # finished since the last drain
+        # speculative statistics (spec/dspark.md §4.1): applied verify steps over rows, drafts
+        # verified / accepted in them, tokens they committed (g + 1 each, bonus included)
+        self.spec_row_steps = self.spec_verified = self.spec_accepted = self.spec_committed = 0
 
     # ------------------------------------------------------------------ lifecycle
     def add(self, seq: Seq) -> None:
@@ -164,7 +184,10 @@ class Scheduler:
         """Frees the slot and the pages (full blocks of known, fed tokens go to the cache)."""
         if self.cache is not None and cache_blocks:
             known = seq.prompt + seq.generated
-            n_blocks = min(seq.pos, len(known), len(seq.pages) * self.page_size) // self.page_size
+            # speculative: pos is an upper bound; the last known token (the anchor) may be
+            # unprocessed, every earlier one is processed and committed
+            done = min(seq.pos, len(known) - 1) if self.spec_width else min(seq.pos, len(known))
+            n_blocks = min(done, len(seq.pages) * self.page_size) // self.page_size
             # A block is complete once every position in it was dispatched.
             self.cache.insert(known, seq.pages[:n_blocks])
         self._release_slot(seq)
@@ -216,8 +239,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ admission
+    def _end_cap(self, seq: Seq) -> int:
+        """Speculative: one past the last position the request can ever write."""
+        return len(seq.prompt) + seq.req.max_new_tokens - 1
+
     def _admit(self, seq: Seq) -> bool:
         seq.ext = seq.prompt + seq.generated
+        seq.resume_anchor = None
+        if self.spec_width and seq.generated:   # resume: re-prefill up to the anchor
+            seq.ext, seq.resume_anchor = seq.ext[:-1], seq.generated[-1]
         seq.slot = self.free_slots.pop()
         hit_pages = []
         if self.cache is not None:
@@ -239,7 +269,7 @@ class Scheduler:
         r = seq.req
         head = self.slot_rows[seq.slot, :PACK_HEAD]
         head[:7] = (seq.slot, 0, 0, h, 0, r.top_k, np.array(r.seed, np.uint32).view(np.int32))
-        head[7:] = np.array([r.temperature, r.top_p, r.min_p], np.float32).view(np.int32)
+        head[7:10] = np.array([r.temperature, r.top_p, r.min_p], np.float32).view(np.int32)
         seq.ext_arr = np.asarray(seq.ext, np.int32)
         self.cache_hit_tokens += h
         seq.admit_order = self._admissions
@@ -251,16 +281,18 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [])
         budget, ps, decode = self.budget, self.page_size, plan.decode
+        cost = self.decode_cost
         for seq in list(self.running):
-            if len(decode) >= budget:
+            if (len(decode) + 1) * cost > budget:
                 break
             # seq.slot is None: preempted by an earlier row's allocation this step
             if seq.slot is None or not seq.wants_decode():
                 continue
-            if seq.pos < len(seq.pages) * ps or self._allocate(seq, seq.pos + 1, plan,
-                                                                  may_preempt=True):
+            end = (min(seq.pos + self.spec_width, self._end_cap(seq)) if self.spec_width
+                   else seq.pos + 1)
+            if end <= len(seq.pages) * ps or self._allocate(seq, end, plan, may_preempt=True):
                 decode.append(Row(seq, seq.epoch, seq.pos, 1, True))
-        budget -= len(decode)
+        budget -= len(decode) * cost
         if self.waiting and self.free_slots and budget > 0:
             n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
             while (self.waiting and self.free_slots and budget > 0
@@ -275,7 +307,9 @@ class Scheduler:
             if seq.slot is None:                     # preempted by an earlier row's allocation
                 continue
             if self._allocate(seq, seq.pos + n, plan, may_preempt=True):
-                plan.prefill.append(Row(seq, seq.epoch, seq.pos, n, seq.pos + n == len(seq.ext)))
+                final = seq.pos + n == len(seq.ext)
+                plan.prefill.append(Row(seq, seq.epoch, seq.pos, n,
+                                        final and seq.resume_anchor is None))
         plan.prefill_shape = shape
         return plan
 
@@ -300,9 +334,11 @@ class Scheduler:
         """The plan was dispatched: advance positions, count in-flight samples, and cache the
         prompt blocks that are now complete (later steps run after this one on the device)."""
         for row in plan.decode:
-            row.seq.pos += 1
-            row.seq.fresh = False
-            row.seq.in_flight += 1
+            seq = row.seq
+            seq.pos = (min(seq.pos + self.spec_width, self._end_cap(seq)) if self.spec_width
+                       else seq.pos + 1)
+            seq.fresh = False
+            seq.in_flight += 1
         for row in plan.prefill:
             seq = row.seq
             seq.pos += row.n
@@ -340,6 +376,41 @@ class Scheduler:
             elif len(seq.generated) >= seq.req.max_new_tokens:
                 self._finish(seq, "length")
 
+    def commit_spec_results(self, rows: list[Row], out: np.ndarray, now: float) -> None:
+        """Applies one speculative decode sub-step's results: out int32 [B, 2K + 4] (K = γ+1)
+        = tokens [K], logprob f32 bits [K], n_emit, accepted g, verified ell, new committed
+        length (`spec_step.spec_decode_packed`). Tokens after a stop token or past
+        max_new_tokens are discarded; the row's position becomes exact again (+ K per step
+        still in flight)."""
+        K = self.spec_width
+        lps = out[:, K:2 * K].view(np.float32)
+        for i, row in enumerate(rows):
+            seq = row.seq
+            if row.epoch != seq.epoch:
+                continue
+            seq.in_flight -= 1
+            n_emit, g, ell, length = (int(v) for v in out[i, 2 * K:2 * K + 4])
+            if n_emit == 0 or seq.finish is not None:
+                continue                       # inactive, or past a stop (async lag)
+            seq.spec_steps += 1
+            seq.pos = min(length + K * seq.in_flight, self._end_cap(seq))
+            self.spec_row_steps += 1
+            self.spec_verified += ell
+            self.spec_accepted += g
+            self.spec_committed += n_emit
+            if seq.t_first is None:
+                seq.t_first = now
+            seq.t_last = now
+            for tok, lp in zip(out[i, :n_emit].tolist(), lps[i, :n_emit].tolist()):
+                seq.generated.append(tok)
+                seq.logprobs.append(lp)
+                if tok in seq.stops:
+                    self._finish(seq, "stop")
+                    break
+                if len(seq.generated) >= seq.req.max_new_tokens:
+                    self._finish(seq, "length")
+                    break
+
     def pack(self, rows: list[Row], n_rows: int, width: int | None) -> np.ndarray:
         """The packed inputs of a sub-batch padded to n_rows: int32 [n_rows, PACK_HEAD +
         max_pages + (width or 0)], per row meta (META_COLUMNS), fparams (temperature, top_p,
@@ -356,5 +427,10 @@ class Scheduler:
             out[:k, 4] = [row.seq.fresh for row in rows]
             if width is not None:
                 for i, row in enumerate(rows):
-                    out[i, H:H + row.n] = row.seq.ext_arr[row.start:row.start + row.n]
+                    seq = row.seq
+                    out[i, H:H + row.n] = seq.ext_arr[row.start:row.start + row.n]
+                    if self.spec_width and row.start + row.n == len(seq.ext):
+                        anchor = -1 if seq.resume_anchor is None else seq.resume_anchor
+                        out[i, 10:14] = (1, seq.req.max_new_tokens - len(seq.generated)
+                                         - (anchor < 0), seq.spec_steps, anchor)
         return out

@@ -101,6 +101,31 @@ def unpack_sampling(meta, fparams) -> SamplingParams:
                           seed=jax.lax.bitcast_convert_type(meta[:, 6], jnp.uint32))
 
 
+def gather_state(state: PagedState, slot, start, fresh, block_table) -> DecodeState:
+    """The contiguous `DecodeState` of a sub-batch's rows (slot [B], lengths = start [B]):
+    their per-slot rings (window ring emptied where fresh > 0) and, through block_table, their
+    compressed rows."""
+    layers = []
+    for sl, rows in zip(_gather_slots(state.slots, slot), _gather_rows(state.pools, block_table)):
+        sl = dict(sl)
+        sl["window_pos"] = jnp.where(fresh[:, None] > 0, -1, sl["window_pos"])
+        sl.update(rows)
+        layers.append(sl)
+    return DecodeState(tuple(layers), start, state.max_len, state.window_slots)
+
+
+def scatter_state(state: PagedState, new: DecodeState, slot, block_table, start, n_new,
+                  row_floor, S: int) -> PagedState:
+    """Writes a sub-batch's new `DecodeState` back: per-slot rings by slot, and the pages that
+    positions [start, start + n_new) touched (S: the chunk width, bounds the pages)."""
+    new_slots = tuple({k: v for k, v in layer.items() if k not in POOL_KEYS}
+                      for layer in new.layers)
+    return dataclasses.replace(
+        state, slots=_scatter_slots(state.slots, new_slots, slot),
+        pools=_scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
+                            state.page_size, S))
+
+
 def _forward(params, state: PagedState, meta, block_table, tokens):
     """The forward half of `_substep`: (state with rings and pages written but `last_token`
     untouched, logits f32 [B, V] of each row's last token)."""
@@ -108,21 +133,9 @@ def _forward(params, state: PagedState, meta, block_table, tokens):
     if tokens is None:
         tokens = jnp.take(state.last_token, slot, mode="clip")[:, None]
     S = tokens.shape[1]
-    layers = []
-    for sl, rows in zip(_gather_slots(state.slots, slot), _gather_rows(state.pools, block_table)):
-        sl = dict(sl)
-        sl["window_pos"] = jnp.where(fresh[:, None] > 0, -1, sl["window_pos"])
-        sl.update(rows)
-        layers.append(sl)
-    dstate = DecodeState(tuple(layers), start, state.max_len, state.window_slots)
+    dstate = gather_state(state, slot, start, fresh, block_table)
     logits, new, _ = transformer.forward_chunk(params, dstate, tokens, n_new, row_floor=row_floor)
-    new_slots = tuple({k: v for k, v in layer.items() if k not in POOL_KEYS}
-                      for layer in new.layers)
-    state = PagedState(
-        _scatter_slots(state.slots, new_slots, slot),
-        _scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
-                      state.page_size, S),
-        state.last_token, state.page_size, state.max_pages, state.window_slots)
+    state = scatter_state(state, new, slot, block_table, start, n_new, row_floor, S)
     return state, logits
 
 
@@ -162,7 +175,7 @@ def unpack(packed, max_pages: int):
     block_table int32 [B, max_pages], tokens int32 [B, S] or None when S = 0). Works on numpy
     and jax arrays."""
     meta = packed[:, :7]
-    fbits = packed[:, 7:PACK_HEAD]
+    fbits = packed[:, 7:10]
     if isinstance(packed, np.ndarray):
         fparams = np.ascontiguousarray(fbits).view(np.float32)
     else:
