@@ -589,7 +589,9 @@ class Engine:
         n = len(seq.generated)
         m = RequestMetrics(prompt_tokens=len(seq.prompt), generated_tokens=n,
                            cached_tokens=seq.cached_tokens, replayed_tokens=seq.replayed_tokens,
-                           preemptions=seq.preemptions)
+                           preemptions=seq.preemptions,
+                           verified=[v for v, _ in seq.spec_log],
+                           accepted=[g for _, g in seq.spec_log])
         if seq.t_first is not None:
             m.ttft = seq.t_first - seq.t_submit
             m.tpot = (seq.t_last - seq.t_first) / (n - 1) if n > 1 else 0.0

@@ -61,6 +61,8 @@ class RequestMetrics:
     token after the first ((t_last - t_first) / (n - 1); 0 for one token); prompt_tokens;
     generated_tokens; cached_tokens: prompt tokens served by the prefix cache (at the last
     admission); replayed_tokens: tokens recomputed for window-state replay; preemptions.
+    Speculative engines: verified / accepted, per verify step of the request (in order), the
+    drafts verified (ell) and accepted (g; the step emitted g + 1 tokens, fewer after a stop).
     """
 
     ttft: float = float("nan")
@@ -70,6 +72,8 @@ class RequestMetrics:
     cached_tokens: int = 0
     replayed_tokens: int = 0
     preemptions: int = 0
+    verified: list[int] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

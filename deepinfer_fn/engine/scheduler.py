@@ -74,6 +74,7 @@ class Seq:
     matcher: object = None          # structured.Matcher of a constrained request (else None)
     spec_steps: int = 0             # verify steps whose results the host applied (speculative)
     resume_anchor: int | None = None  # speculative resume: the anchor token (not re-sampled)
+    spec_log: list = dataclasses.field(default_factory=list)   # (verified ell, accepted g)
 
     @property
     def prefilling(self) -> bool:
@@ -393,6 +394,7 @@ class Scheduler:
             if n_emit == 0 or seq.finish is not None:
                 continue                       # inactive, or past a stop (async lag)
             seq.spec_steps += 1
+            seq.spec_log.append((ell, g))
             seq.pos = min(length + K * seq.in_flight, self._end_cap(seq))
             self.spec_row_steps += 1
             self.spec_verified += ell

@@ -1,0 +1,191 @@
+"""Speculative decoding in the offline engine (Engine(speculative="dspark" | "mtp")).
+
+Oracles: `generate(..., speculative=...)` (the while-loop implementation: same drafts, same
+per-request counter-based keys) and plain greedy `generate` (test_engine.reference). Model: the
+embedded default model in f32 with its shipped DSpark drafter and its MTP block. Every engine
+here has test_engine's device shapes (max_batch 4, 16-token pages, 24-page pool, prefill rows
+[2, 32], decode rows [4]); the generate references are padded to one shape per method, so each
+method compiles one engine prefill, one engine decode step and one generate loop.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import deepinfer_fn as di
+from deepinfer_fn import speculative as spec
+from deepinfer_fn.engine import Engine, Request
+from deepinfer_fn.speculative.schedule import VerifyCost
+from test_engine import N_NEW, SHAPES, params, prompts_long, prompts_shared, reference
+
+TEMPS = (0.0, 0.8, 0.0, 0.8, 0.0, 0.8)
+SEEDS = (0, 7, 3, 11, 5, 99)
+
+
+@functools.cache
+def drafter():
+    return spec.load_dspark(spec.default_dspark_path(), params())
+
+
+def gamma(method):
+    return drafter().config.block_size if method == "dspark" else 3
+
+
+def spec_kwargs(method):
+    return dict(drafter=drafter()) if method == "dspark" else dict(num_draft_tokens=3)
+
+
+def engine(method, **kw):
+    return Engine(params(), speculative=method, **{**SHAPES, **spec_kwargs(method), **kw})
+
+
+@functools.cache
+def spec_reference(method, prompts, temps, seeds):
+    """generate(..., speculative=method) on the prompts padded to [6, 256] (extra rows repeat
+    the first prompt): (tokens, logprobs) lists per prompt."""
+    B = len(prompts)
+    rows = list(prompts) + [prompts[0]] * (6 - B)
+    toks = np.zeros((6, 256), np.int32)
+    for i, p in enumerate(rows):
+        toks[i, :len(p)] = p
+    pad = lambda v: np.array(list(v) + [v[0]] * (6 - B))
+    out = di.generate(params(), toks, lengths=np.array([len(p) for p in rows]),
+                      max_new_tokens=N_NEW, temperature=pad(temps), seed=pad(seeds),
+                      speculative=method, return_logprobs=True, **spec_kwargs(method))
+    return ([r.tolist() for r in np.asarray(out.tokens)[:B]],
+            [r.tolist() for r in np.asarray(out.logprobs)[:B]])
+
+
+def requests(prompts, temps, seeds):
+    return [Request(list(p), max_new_tokens=N_NEW, temperature=t, seed=s, request_id=i)
+            for i, (p, t, s) in enumerate(zip(prompts, temps, seeds))]
+
+
+@functools.cache
+def mixed_run(method):
+    """The 6 long prompts (greedy and T = 0.8 rows), random arrival order, budget 40 (prefill
+    chunks and speculative decode rows interleave), pool small enough to preempt."""
+    prompts = prompts_long()
+    order = np.random.default_rng(4).permutation(len(prompts))
+    reqs = requests(prompts, TEMPS, SEEDS)
+    eng = engine(method, max_tokens_per_step=40)
+    outs = eng.generate([reqs[i] for i in order])
+    by_id = {o.request_id: o for o in outs}
+    return [by_id[i] for i in range(len(prompts))], eng.last_run
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_engine_equals_generate(method):
+    """Greedy requests == plain greedy generate == generate(speculative); sampled requests ==
+    generate(speculative) with the same seeds, token for token (the engine keeps each slot's
+    step counter on the device, so the draft / accept / final keys are generate's); logprobs
+    equal generate's."""
+    outs, m = mixed_run(method)
+    prompts = prompts_long()
+    want, want_lp = spec_reference(method, prompts, TEMPS, SEEDS)
+    plain = reference(prompts)
+    print(f"\n{method}: steps {m.steps}, preemptions {m.preemptions}, row-steps "
+          f"{m.spec_row_steps}, mean ell {m.mean_verify_len:.2f}, acceptance "
+          f"{m.acceptance_rate:.3f}, tau {m.tau:.2f}")
+    for i, o in enumerate(outs):
+        assert o.finish_reason == "length", (i, o.error)
+        assert o.tokens == want[i], f"request {i} (T={TEMPS[i]})"
+        np.testing.assert_allclose(o.logprobs, want_lp[i], atol=2e-4)
+        if TEMPS[i] == 0:
+            assert o.tokens == plain[i]
+    assert any(outs[i].tokens != plain[i] for i in range(6) if TEMPS[i] > 0)   # really samples
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_metrics(method):
+    """acceptance in [0, 1]; every step verifies <= γ drafts and accepts <= verified; tau =
+    tokens committed by verify steps / row-steps, and every generated token is either a
+    prefill-sampled first token or committed by a verify step (no stop tokens here)."""
+    outs, m = mixed_run(method)
+    g = gamma(method)
+    assert 0.0 <= m.acceptance_rate <= 1.0 and 0.0 <= m.mean_verify_len <= g
+    ver = [v for o in outs for v in o.metrics.verified]
+    acc = [a for o in outs for a in o.metrics.accepted]
+    assert len(ver) == m.spec_row_steps and sum(ver) == m.spec_verified
+    assert sum(acc) == m.spec_accepted
+    assert all(0 <= a <= v <= g for a, v in zip(acc, ver))
+    assert m.spec_committed == m.spec_accepted + m.spec_row_steps
+    assert m.generated_tokens == len(outs) + m.spec_committed
+    assert m.tau == pytest.approx(m.spec_committed / m.spec_row_steps)
+    assert m.all_accepted_tokens_per_s == pytest.approx(
+        m.spec_row_steps * (1 + g) / m.wall_s)
+    for o in outs:            # per request: the steps' g + 1 add up to its tokens after the first
+        if o.metrics.preemptions == 0:
+            assert sum(a + 1 for a in o.metrics.accepted) == len(o.tokens) - 1
+
+
+def test_dynamic_verify_length():
+    """DSpark with verify_len="dynamic" and a cost profile that rises with the columns: some
+    steps verify fewer drafts than the budget allows (the scheduler's ell < cap), the verified
+    lengths vary, and the output still equals plain greedy decoding."""
+    prompts = prompts_long()
+    g = gamma("dspark")
+    cost = VerifyCost.from_grid((4,), [[1.0 + 0.35 * s for s in range(g + 1)]])
+    eng = engine("dspark", max_tokens_per_step=40, verify_len="dynamic", verify_cost=cost)
+    outs = eng.generate(requests(prompts, (0.0,) * 6, SEEDS))
+    m = eng.last_run
+    plain = reference(prompts)
+    below = 0
+    for i, o in enumerate(outs):
+        assert o.tokens == plain[i], f"request {i}"
+        count = 1
+        if o.metrics.preemptions == 0:
+            for v, a in zip(o.metrics.verified, o.metrics.accepted):
+                below += v < min(g, N_NEW - count - 1)
+                count += a + 1
+    ver = [v for o in outs for v in o.metrics.verified]
+    print(f"\ndynamic: verified lengths {ver}, mean {m.mean_verify_len:.2f}, "
+          f"acceptance {m.acceptance_rate:.3f}, steps below the cap {below}")
+    assert len(set(ver)) > 1 and below > 0
+
+
+def test_prefix_cache_and_preemption_exact():
+    """Exact prefix-cache mode (replay_tokens=None): the shared-prompt requests hit the cache,
+    and with two long prompts the pool is too small (preemption; the resumed request
+    re-prefills up to its anchor and keeps its step counter). Every request's tokens ==
+    generate(speculative="dspark"), greedy and sampled."""
+    prompts = prompts_shared() + prompts_long()[:2]
+    want, _ = spec_reference("dspark", prompts, TEMPS, SEEDS)
+    reqs = requests(prompts, TEMPS, SEEDS)
+    eng = engine("dspark", max_tokens_per_step=40, replay_tokens=None)
+    outs = eng.generate(reqs[:1]) + eng.generate(reqs[1:])
+    m = eng.last_run
+    print(f"\nprefix+preempt: hits {m.cache_hit_tokens}, preemptions {m.preemptions}")
+    assert m.cache_hit_tokens > 0 and m.preemptions > 0
+    assert [o.tokens for o in outs] == want
+    assert eng.pages.free_count + eng.cache.num_nodes == eng.pages.capacity
+
+
+def test_bad_config_and_constrained_requests():
+    """Clear errors for a bad speculative configuration; a constrained request in a
+    speculative engine fails alone (finish_reason "error")."""
+    p = params()
+    with pytest.raises(ValueError, match="drafter"):
+        Engine(p, speculative="dspark", **SHAPES)
+    tiny = di.ModelConfig.preset("tiny", num_mtp_layers=0)
+    foreign = spec.init_dspark(tiny, spec.DSparkConfig.for_target(tiny), jax.random.key(0))
+    with pytest.raises(ValueError, match="another target"):
+        Engine(p, speculative="dspark", drafter=foreign, **SHAPES)
+    no_mtp = di.Params({**p.weights, "mtp": ()}, p.config)
+    with pytest.raises(ValueError, match="MTP block"):
+        Engine(no_mtp, speculative="mtp", **SHAPES)
+    with pytest.raises(ValueError, match="dynamic"):
+        Engine(p, speculative="mtp", verify_len="dynamic", **SHAPES)
+    with pytest.raises(ValueError, match="verify_cost"):
+        Engine(p, speculative="dspark", drafter=drafter(), verify_len="dynamic", **SHAPES)
+    with pytest.raises(ValueError, match="block size"):
+        Engine(p, speculative="dspark", drafter=drafter(), num_draft_tokens=3, **SHAPES)
+    with pytest.raises(ValueError, match="speculative"):
+        Engine(p, speculative="eagle", **SHAPES)
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        Engine(p, speculative="mtp", **{**SHAPES, "max_tokens_per_step": 3})
+    eng = engine("mtp", max_tokens_per_step=40)
+    out = eng.generate([Request([5, 6, 7], constraint=di.Regex("[0-9]+"))])[0]
+    assert out.finish_reason == "error" and "speculative" in out.error
