@@ -76,26 +76,42 @@ def mixed_run(method):
     return [by_id[i] for i in range(len(prompts))], eng.last_run
 
 
+def check_against_generate(method):
+    outs, _ = mixed_run(method)
+    want, want_lp = spec_reference(method, prompts_long(), TEMPS, SEEDS)
+    for i, o in enumerate(outs):
+        assert o.tokens == want[i], f"request {i} (T={TEMPS[i]})"
+        np.testing.assert_allclose(o.logprobs, want_lp[i], atol=2e-4)
+
+
 @pytest.mark.parametrize("method", ["dspark", "mtp"])
-def test_engine_equals_generate(method):
-    """Greedy requests == plain greedy generate == generate(speculative); sampled requests ==
-    generate(speculative) with the same seeds, token for token (the engine keeps each slot's
-    step counter on the device, so the draft / accept / final keys are generate's); logprobs
-    equal generate's."""
+def test_greedy_equals_plain_generate(method):
+    """Greedy requests (mixed with sampled ones, random arrival, prefill interleaved with
+    speculative decode, preemption) give plain greedy decoding's tokens; the sampled ones
+    really sample."""
     outs, m = mixed_run(method)
-    prompts = prompts_long()
-    want, want_lp = spec_reference(method, prompts, TEMPS, SEEDS)
-    plain = reference(prompts)
+    plain = reference(prompts_long())
     print(f"\n{method}: steps {m.steps}, preemptions {m.preemptions}, row-steps "
           f"{m.spec_row_steps}, mean ell {m.mean_verify_len:.2f}, acceptance "
           f"{m.acceptance_rate:.3f}, tau {m.tau:.2f}")
     for i, o in enumerate(outs):
         assert o.finish_reason == "length", (i, o.error)
-        assert o.tokens == want[i], f"request {i} (T={TEMPS[i]})"
-        np.testing.assert_allclose(o.logprobs, want_lp[i], atol=2e-4)
         if TEMPS[i] == 0:
-            assert o.tokens == plain[i]
-    assert any(outs[i].tokens != plain[i] for i in range(6) if TEMPS[i] > 0)   # really samples
+            assert o.tokens == plain[i], f"request {i}"
+    assert any(outs[i].tokens != plain[i] for i in range(6) if TEMPS[i] > 0)
+
+
+def test_dspark_equals_generate_speculative():
+    """Greedy and sampled (T = 0.8, seeds) requests == generate(speculative="dspark") token for
+    token (the engine keeps each slot's step counter on the device, so the draft / accept /
+    final keys are generate's), logprobs equal."""
+    check_against_generate("dspark")
+
+
+@pytest.mark.heavy   # its own generate(speculative="mtp") compile
+def test_mtp_equals_generate_speculative():
+    """As the DSpark test, for the MTP drafter (k = 3)."""
+    check_against_generate("mtp")
 
 
 @pytest.mark.parametrize("method", ["dspark", "mtp"])
@@ -122,13 +138,15 @@ def test_metrics(method):
 
 
 def test_dynamic_verify_length():
-    """DSpark with verify_len="dynamic" and a cost profile that rises with the columns: some
-    steps verify fewer drafts than the budget allows (the scheduler's ell < cap), the verified
-    lengths vary, and the output still equals plain greedy decoding."""
+    """DSpark with verify_len="dynamic", a cost profile that rises with the columns and two
+    compiled verify widths (3 and 1 + γ columns): some steps verify fewer drafts than the
+    budget allows (the scheduler's ell < cap), the verified lengths vary, and the output still
+    equals plain greedy decoding."""
     prompts = prompts_long()
     g = gamma("dspark")
     cost = VerifyCost.from_grid((4,), [[1.0 + 0.35 * s for s in range(g + 1)]])
-    eng = engine("dspark", max_tokens_per_step=40, verify_len="dynamic", verify_cost=cost)
+    eng = engine("dspark", max_tokens_per_step=40, verify_len="dynamic", verify_cost=cost,
+                 verify_widths=(3, g + 1))
     outs = eng.generate(requests(prompts, (0.0,) * 6, SEEDS))
     m = eng.last_run
     plain = reference(prompts)

@@ -216,8 +216,10 @@ class Engine:
     size; num_draft_tokens, if given, must equal γ) or "mtp" (the params' MTP block drafts
     num_draft_tokens = k tokens, default 3). verify_len: "fixed" (verify every draft the
     budget allows) or "dynamic" (DSpark only; verify_cost: a `speculative.schedule.VerifyCost`
-    profile, read at each decode bucket's size). See the module docstring, "Speculative
-    decoding".
+    profile, read at each decode bucket's size); verify_widths (dynamic only): the verify
+    column counts compiled (default every 1..γ+1; fewer = faster compilation, S rounds up to
+    the next one and the scheduler sees that width's cost). See the module docstring,
+    "Speculative decoding".
     """
 
     def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -228,7 +230,7 @@ class Engine:
                  window_slots: int | None = None, progress: bool = True,
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
-                 verify_cost=None):
+                 verify_cost=None, verify_widths=None):
         if not isinstance(params, Params):
             raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
         cfg = params.config
@@ -285,16 +287,23 @@ class Engine:
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
         self.speculative, self.drafter, self.gamma = speculative, drafter, gamma
-        self.verify_len = verify_len
+        self.verify_len, self.verify_widths = verify_len, None
         self._sched_args = {}
         if gamma:
             self.state = dataclasses.replace(self.state, spec=init_spec_state(
                 cfg, max_batch=max_batch, method=speculative, dtype=params.dtype,
                 drafter=drafter, k=gamma, window_slots=self.state.window_slots))
-            if speculative == "dspark":
+            self.verify_widths = self._check_widths(verify_widths, verify_len, gamma)
+            if speculative == "dspark" and verify_len == "dynamic":
                 from deepinfer_fn.generate import _dspark_schedule_args
-                self._sched_args = {b: _dspark_schedule_args(drafter, verify_len, verify_cost, b)
-                                    for b in decode_buckets}
+                from deepinfer_fn.speculative.schedule import rounded_step_seconds
+                for b in decode_buckets:
+                    temps, secs, overhead, eps = _dspark_schedule_args(drafter, verify_len,
+                                                                       verify_cost, b)
+                    secs = jnp.asarray(rounded_step_seconds(secs, self.verify_widths))
+                    self._sched_args[b] = (temps, secs, overhead, eps)
+        elif verify_widths is not None:
+            raise ValueError("verify_widths needs speculative=... with verify_len='dynamic'")
         self._active_params = count_params(cfg)["active"]
         self._tokenizer = tokenizer
         self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
@@ -302,6 +311,18 @@ class Engine:
         self._cancelled: set = set()
         self._shapes_seen: set = set()
         self.last_run = RunMetrics()
+
+    @staticmethod
+    def _check_widths(widths, verify_len, gamma):
+        if widths is None:
+            return None if verify_len == "fixed" else tuple(range(1, gamma + 2))
+        if verify_len != "dynamic":
+            raise ValueError("verify_widths is only used with verify_len='dynamic'")
+        w = tuple(int(x) for x in widths)
+        if not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] != gamma + 1:
+            raise ValueError(f"verify_widths {widths} must be ascending distinct column counts "
+                             f"in 1..{gamma + 1} ending at 1 + γ = {gamma + 1}")
+        return w
 
     def _check_speculative(self, speculative, drafter, k, verify_len, verify_cost) -> int:
         """Validates the speculative arguments; returns γ (drafts per step) or 0."""
@@ -315,6 +336,8 @@ class Engine:
             raise NotImplementedError("a speculative engine on a sharded mesh is not supported yet")
         if verify_len not in ("fixed", "dynamic"):
             raise ValueError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
+        if verify_len == "fixed" and verify_cost is not None:
+            raise ValueError("verify_cost is only used with verify_len='dynamic'")
         if speculative == "dspark":
             from deepinfer_fn.speculative.dspark import DSpark, check_target
             if not isinstance(drafter, DSpark):
@@ -524,7 +547,7 @@ class Engine:
                 self.state, out = spec_decode_packed(
                     self.params, self.drafter, self.state, packed,
                     self._sched_args.get(packed.shape[0]), method=self.speculative,
-                    mode=self.verify_len, k=self.gamma)
+                    mode=self.verify_len, k=self.gamma, widths=self.verify_widths)
                 outs.append([rows, out, None, None, "spec"])
             elif self.gamma:
                 self.state, out = spec_prefill_packed(self.params, self.drafter, self.state,
@@ -648,7 +671,8 @@ class Engine:
             elif width is None:
                 self.state, _ = spec_decode_packed(
                     self.params, self.drafter, self.state, packed, self._sched_args.get(n),
-                    method=self.speculative, mode=self.verify_len, k=self.gamma)
+                    method=self.speculative, mode=self.verify_len, k=self.gamma,
+                    widths=self.verify_widths)
             else:
                 self.state, _ = spec_prefill_packed(self.params, self.drafter, self.state,
                                                     packed, method=self.speculative)

@@ -139,13 +139,15 @@ def spec_prefill_packed(params, drafter, state: PagedState, packed, *, method: s
 # --- decode (draft -> verify -> accept -> rollback -> drafter update) -----------------------
 
 
-@functools.partial(jax.jit, static_argnames=("method", "mode", "k"), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnames=("method", "mode", "k", "widths"),
+                   donate_argnums=(2,))
 def spec_decode_packed(params, drafter, state: PagedState, packed, sched, *, method: str,
-                       mode: str, k: int):
+                       mode: str, k: int, widths: tuple[int, ...] | None = None):
     """One speculative decode sub-batch (module docstring). packed int32 [Db, PACK_HEAD +
     max_pages] (`Scheduler.pack` of decode rows); drafter: DSpark or None (MTP); sched: the
     dynamic scheduler's arguments (`generate._dspark_schedule_args` at this bucket) or None;
-    mode "fixed" | "dynamic"; k = γ (drafts per step). Returns (state, out int32
+    mode "fixed" | "dynamic"; k = γ (drafts per step); widths: the verify column counts
+    compiled in dynamic mode (default 1..k+1; `schedule.run_with_columns`). Returns (state, out int32
     [Db, 2(k+1) + 4])."""
     from deepinfer_fn.generate import _verify_lengths
     from deepinfer_fn.speculative import schedule
@@ -188,7 +190,7 @@ def spec_decode_packed(params, drafter, state: PagedState, packed, sched, *, met
 
     if mode == "dynamic":   # the padded forward runs 1 + max(ell) columns
         per_token, new = schedule.run_with_columns(verify_forward, ids,
-                                                   schedule.verify_columns(ell, active))
+                                                   schedule.verify_columns(ell, active), widths)
     else:
         per_token, new = verify_forward(ids)
     logits, streams = per_token[:2]

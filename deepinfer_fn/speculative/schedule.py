@@ -115,7 +115,7 @@ def verify_columns(ell, active):
     return 1 + jnp.max(jnp.where(jnp.asarray(active, bool), jnp.asarray(ell, jnp.int32), 0))
 
 
-def run_with_columns(fn, ids, n_columns):
+def run_with_columns(fn, ids, n_columns, widths=None):
     """Runs `fn` on the first S = n_columns columns of ids [B, K] only, so a padded verify
     forward costs S columns, not K (the saving `padded_verify_len` assumes).
 
@@ -123,8 +123,13 @@ def run_with_columns(fn, ids, n_columns):
     [B, S]) -> (per_token, rest): per_token a pytree of arrays [B, S, ...] (logits, streams,
     taps), padded back to K columns with zeros; rest a pytree whose shapes do not depend on
     S (the new decode state). Implemented as `lax.switch` over the K static widths: every
-    width is compiled once (K branches in the program), one runs per step."""
+    width is compiled once (K branches in the program), one runs per step. widths (optional,
+    ascending, the last = K): compile only these widths; S is rounded up to the next one (the
+    extra columns are computed and ignored: fn must mask them, e.g. by n_new)."""
     B, K = ids.shape
+    widths = tuple(range(1, K + 1)) if widths is None else tuple(int(w) for w in widths)
+    if not widths or list(widths) != sorted(set(widths)) or widths[0] < 1 or widths[-1] != K:
+        raise ValueError(f"widths {widths} must be ascending distinct column counts ending at {K}")
 
     def branch(s):
         def run(ids):
@@ -133,8 +138,17 @@ def run_with_columns(fn, ids, n_columns):
             return jax.tree.map(pad, per_token), rest
         return run
 
-    index = jnp.clip(jnp.asarray(n_columns, jnp.int32), 1, K) - 1
-    return jax.lax.switch(index, [branch(s) for s in range(1, K + 1)], ids)
+    n = jnp.clip(jnp.asarray(n_columns, jnp.int32), 1, K)
+    index = jnp.sum(jnp.asarray(widths, jnp.int32) < n)      # first width >= n
+    return jax.lax.switch(index, [branch(s) for s in widths], ids)
+
+
+def rounded_step_seconds(step_seconds, widths) -> np.ndarray:
+    """step_seconds [K] (S = 1..K columns) as seen by a forward compiled only at `widths`:
+    S costs the time of the next compiled width (what `run_with_columns(..., widths)` runs)."""
+    t = np.asarray(step_seconds, np.float64)
+    w = np.asarray(widths)
+    return np.asarray([t[w[np.searchsorted(w, s)] - 1] for s in range(1, len(t) + 1)], np.float32)
 
 
 # --- isotonic fit -----------------------------------------------------------------------------
