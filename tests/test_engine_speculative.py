@@ -5,7 +5,8 @@ per-request counter-based keys) and plain greedy `generate` (test_engine.referen
 embedded default model in f32 with its shipped DSpark drafter and its MTP block. Every engine
 here has test_engine's device shapes (max_batch 4, 16-token pages, 24-page pool, prefill rows
 [2, 32], decode rows [4]); the generate references are padded to one shape per method, so each
-method compiles one engine prefill, one engine decode step and one generate loop.
+method compiles one engine prefill, one engine decode step (DSpark: fixed and dynamic share it)
+and one generate loop; the plain greedy reference is test_engine's (same compiled program).
 """
 
 import functools
@@ -38,6 +39,10 @@ def spec_kwargs(method):
 
 
 def engine(method, **kw):
+    """DSpark engines compile the verify forward at widths 3 and 1 + γ, so the fixed and the
+    dynamic engines share one decode program (fixed / dynamic is a traced flag)."""
+    if method == "dspark":
+        kw.setdefault("verify_widths", (3, gamma("dspark") + 1))
     return Engine(params(), speculative=method, **{**SHAPES, **spec_kwargs(method), **kw})
 
 
@@ -145,8 +150,7 @@ def test_dynamic_verify_length():
     prompts = prompts_long()
     g = gamma("dspark")
     cost = VerifyCost.from_grid((4,), [[1.0 + 0.35 * s for s in range(g + 1)]])
-    eng = engine("dspark", max_tokens_per_step=40, verify_len="dynamic", verify_cost=cost,
-                 verify_widths=(3, g + 1))
+    eng = engine("dspark", max_tokens_per_step=40, verify_len="dynamic", verify_cost=cost)
     outs = eng.generate(requests(prompts, (0.0,) * 6, SEEDS))
     m = eng.last_run
     plain = reference(prompts)

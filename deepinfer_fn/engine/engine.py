@@ -77,7 +77,7 @@ from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_reque
                                           validate)
 from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, bucket,
                                             buckets_up_to)
-from deepinfer_fn.engine.spec_step import spec_decode_packed, spec_prefill_packed
+from deepinfer_fn.engine.spec_step import schedule_args, spec_decode_packed, spec_prefill_packed
 from deepinfer_fn.engine.step import forward_packed, sample_packed, substep_packed
 from deepinfer_fn.params import Params, count_params
 
@@ -216,10 +216,12 @@ class Engine:
     size; num_draft_tokens, if given, must equal γ) or "mtp" (the params' MTP block drafts
     num_draft_tokens = k tokens, default 3). verify_len: "fixed" (verify every draft the
     budget allows) or "dynamic" (DSpark only; verify_cost: a `speculative.schedule.VerifyCost`
-    profile, read at each decode bucket's size); verify_widths (dynamic only): the verify
-    column counts compiled (default every 1..γ+1; fewer = faster compilation, S rounds up to
-    the next one and the scheduler sees that width's cost). See the module docstring,
-    "Speculative decoding".
+    profile, read at each decode bucket's size); verify_widths: the verify forward's column
+    counts compiled (ascending, ending at 1 + γ; default (1 + γ,) for "fixed", every
+    1..1+γ for "dynamic"); each step runs 1 + max(ell) columns rounded up to one of them
+    (fewer widths = faster compilation; the dynamic scheduler sees the rounded cost). Fixed
+    and dynamic engines with the same shapes and widths share one compiled decode step. See
+    the module docstring, "Speculative decoding".
     """
 
     def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -294,16 +296,12 @@ class Engine:
                 cfg, max_batch=max_batch, method=speculative, dtype=params.dtype,
                 drafter=drafter, k=gamma, window_slots=self.state.window_slots))
             self.verify_widths = self._check_widths(verify_widths, verify_len, gamma)
-            if speculative == "dspark" and verify_len == "dynamic":
-                from deepinfer_fn.generate import _dspark_schedule_args
-                from deepinfer_fn.speculative.schedule import rounded_step_seconds
-                for b in decode_buckets:
-                    temps, secs, overhead, eps = _dspark_schedule_args(drafter, verify_len,
-                                                                       verify_cost, b)
-                    secs = jnp.asarray(rounded_step_seconds(secs, self.verify_widths))
-                    self._sched_args[b] = (temps, secs, overhead, eps)
+            if speculative == "dspark":
+                self._sched_args = {b: schedule_args(drafter, verify_len, verify_cost, b,
+                                                     self.verify_widths)
+                                    for b in decode_buckets}
         elif verify_widths is not None:
-            raise ValueError("verify_widths needs speculative=... with verify_len='dynamic'")
+            raise ValueError("verify_widths needs speculative='dspark' or 'mtp'")
         self._active_params = count_params(cfg)["active"]
         self._tokenizer = tokenizer
         self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
@@ -315,9 +313,7 @@ class Engine:
     @staticmethod
     def _check_widths(widths, verify_len, gamma):
         if widths is None:
-            return None if verify_len == "fixed" else tuple(range(1, gamma + 2))
-        if verify_len != "dynamic":
-            raise ValueError("verify_widths is only used with verify_len='dynamic'")
+            return (gamma + 1,) if verify_len == "fixed" else tuple(range(1, gamma + 2))
         w = tuple(int(x) for x in widths)
         if not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] != gamma + 1:
             raise ValueError(f"verify_widths {widths} must be ascending distinct column counts "
@@ -547,7 +543,7 @@ class Engine:
                 self.state, out = spec_decode_packed(
                     self.params, self.drafter, self.state, packed,
                     self._sched_args.get(packed.shape[0]), method=self.speculative,
-                    mode=self.verify_len, k=self.gamma, widths=self.verify_widths)
+                    k=self.gamma, widths=self.verify_widths)
                 outs.append([rows, out, None, None, "spec"])
             elif self.gamma:
                 self.state, out = spec_prefill_packed(self.params, self.drafter, self.state,
@@ -671,8 +667,7 @@ class Engine:
             elif width is None:
                 self.state, _ = spec_decode_packed(
                     self.params, self.drafter, self.state, packed, self._sched_args.get(n),
-                    method=self.speculative, mode=self.verify_len, k=self.gamma,
-                    widths=self.verify_widths)
+                    method=self.speculative, k=self.gamma, widths=self.verify_widths)
             else:
                 self.state, _ = spec_prefill_packed(self.params, self.drafter, self.state,
                                                     packed, method=self.speculative)

@@ -10,8 +10,9 @@ the device (the host never needs a row's exact position to build a step):
    MTP (`mtp.draft`: catch up on the pending committed positions, then a chain of k drafts);
 2. verify length: cap = clip(left - 1, 0, γ) (the step never emits past max_new_tokens);
    "fixed" -> ell = cap; "dynamic" (DSpark) -> `schedule.padded_verify_len` from the
-   confidences and the VerifyCost profile at this sub-batch's bucket size, and the forward
-   runs on 1 + max(ell) columns (`schedule.run_with_columns`);
+   confidences and the VerifyCost profile at this sub-batch's bucket size (a traced flag:
+   fixed and dynamic engines of the same shapes share one program); the forward runs on
+   1 + max(ell) columns rounded up to a compiled width (`schedule.run_with_columns`);
 3. the target verify forward on [anchor, drafts] (all logits; DSpark taps / MTP streams)
    against the paged state (`step.gather_state` / `step.scatter_state`, positions P..P+ell);
 4. `spec.verify` (greedy match or standard speculative sampling with the ACCEPT / FINAL keys
@@ -139,17 +140,29 @@ def spec_prefill_packed(params, drafter, state: PagedState, packed, *, method: s
 # --- decode (draft -> verify -> accept -> rollback -> drafter update) -----------------------
 
 
-@functools.partial(jax.jit, static_argnames=("method", "mode", "k", "widths"),
-                   donate_argnums=(2,))
+def schedule_args(drafter, verify_len: str, verify_cost, batch: int, widths):
+    """The decode step's `sched` for a DSpark engine at a decode bucket of `batch` rows:
+    (STS temperatures [γ], step seconds [γ+1] (rounded to the compiled widths), overhead,
+    eps, dynamic flag); for "fixed" placeholders with the flag off."""
+    from deepinfer_fn.generate import _dspark_schedule_args
+    from deepinfer_fn.speculative.schedule import rounded_step_seconds
+    g = drafter.config.block_size
+    if verify_len == "fixed":
+        return (drafter.sts_temperatures.astype(jnp.float32), jnp.ones((g + 1,), jnp.float32),
+                jnp.float32(0), jnp.float32(0), jnp.bool_(False))
+    temps, secs, overhead, eps = _dspark_schedule_args(drafter, verify_len, verify_cost, batch)
+    return (temps, jnp.asarray(rounded_step_seconds(secs, widths)), overhead, eps,
+            jnp.bool_(True))
+
+
+@functools.partial(jax.jit, static_argnames=("method", "k", "widths"), donate_argnums=(2,))
 def spec_decode_packed(params, drafter, state: PagedState, packed, sched, *, method: str,
-                       mode: str, k: int, widths: tuple[int, ...] | None = None):
+                       k: int, widths: tuple[int, ...]):
     """One speculative decode sub-batch (module docstring). packed int32 [Db, PACK_HEAD +
-    max_pages] (`Scheduler.pack` of decode rows); drafter: DSpark or None (MTP); sched: the
-    dynamic scheduler's arguments (`generate._dspark_schedule_args` at this bucket) or None;
-    mode "fixed" | "dynamic"; k = γ (drafts per step); widths: the verify column counts
-    compiled in dynamic mode (default 1..k+1; `schedule.run_with_columns`). Returns (state, out int32
+    max_pages] (`Scheduler.pack` of decode rows); drafter: DSpark or None (MTP); sched:
+    `schedule_args` (DSpark) or None (MTP: fixed); k = γ (drafts per step); widths: the verify
+    column counts compiled, ascending, ending at k + 1 (`schedule.run_with_columns`). Returns (state, out int32
     [Db, 2(k+1) + 4])."""
-    from deepinfer_fn.generate import _verify_lengths
     from deepinfer_fn.speculative import schedule
 
     cfg = params.config
@@ -167,8 +180,9 @@ def spec_decode_packed(params, drafter, state: PagedState, packed, sched, *, met
         ds = DecodeState(tuple(_gather_ring(r, slot) for r in sp["draft"]), P, state.max_len,
                          dcfg.window)
         drafts, q, conf = spec.dspark.draft(drafter, params, ds, anchor, sampling, step)
-        ell = jnp.where(active, _verify_lengths(conf, active, cap, sched, mode, sampling.seed,
-                                                step), 0)
+        temps, secs, overhead, eps, dynamic = sched
+        ell = schedule.padded_verify_len(conf, temps, active, cap, secs, overhead, eps)
+        ell = jnp.where(active, jnp.where(dynamic, jnp.clip(ell, 0, cap), cap), 0)
         taps = dict(taps=dcfg.target_layer_ids, tap=dcfg.tap)
     else:
         pend_n = _take(sp["pend_n"], slot)
@@ -188,11 +202,9 @@ def spec_decode_packed(params, drafter, state: PagedState, packed, sched, *, met
                                         row_floor=row_floor, **taps)
         return (out[0], out[2]) + tuple(out[3:]), out[1]
 
-    if mode == "dynamic":   # the padded forward runs 1 + max(ell) columns
-        per_token, new = schedule.run_with_columns(verify_forward, ids,
-                                                   schedule.verify_columns(ell, active), widths)
-    else:
-        per_token, new = verify_forward(ids)
+    # the padded forward runs 1 + max(ell) columns (rounded up to a compiled width)
+    per_token, new = schedule.run_with_columns(verify_forward, ids,
+                                               schedule.verify_columns(ell, active), widths)
     logits, streams = per_token[:2]
     tokens, g = spec.verify(logits, drafts, q, sampling, step, ell)
     n_emit = jnp.where(active, g + 1, 0)
