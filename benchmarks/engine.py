@@ -18,6 +18,28 @@ background thread timestamps completions).
 
     python benchmarks/engine.py --out benchmarks/results/engine_mini_h200.json      # GPU
     python benchmarks/engine.py --quick --out benchmarks/results/engine_quick_cpu.json
+
+Speculative arms (`--speculative dspark|mtp`, spec/dspark.md §4): the embedded default model
+(`--model default`, its shipped DSpark drafter or its MTP block) on `--requests` text prompts
+(standard-library source windows of `--prompt-len` tokens, benchmarks/speculative.py's
+`make_prompts`), `--new` tokens each (no stop token: fixed output length), `--max-batch` = the
+concurrency (the engine refills a finished slot from the queue: a closed loop while requests
+wait). Arms, one process, prefix cache on, async on: `plain` (no speculation; skip with
+--no-plain) and one per `--verify-len` value (fixed, dynamic). Fixed and dynamic compile the
+verify forward at the same `--verify-widths` (one shared decode program, identical buckets).
+The dynamic arm's cost profile: `--cost-file` (a `VerifyCost` JSON, e.g. from
+benchmarks/speculative.py --only-cost) or measured here at the decode bucket(s) and saved next
+to --out; its step overhead (draft, sampling, bookkeeping) is `--overhead` or, when the fixed
+arm ran first, its mean step time minus the profile's verify time at 1 + γ columns. Every arm
+is warmed up (all shapes compiled) before it is timed; `--repeats` > 1 interleaves the arms.
+Reported per arm: generated tok/s (real, tokens returned / wall) next to the "all drafts
+accepted" figure (row-steps x (1 + γ) / wall) and verified tokens/s, mean verify length,
+acceptance rate, tau; summary: dynamic / fixed and fixed / plain throughput ratios.
+
+    python benchmarks/engine.py --model default --speculative dspark --verify-len fixed,dynamic \
+        --max-batch 16 --decode-buckets 16 --out benchmarks/results/engine_spec_n16_h200.json
+    python benchmarks/engine.py --quick --speculative dspark --verify-len fixed,dynamic \
+        --out benchmarks/results/engine_spec_quick_cpu.json
 """
 
 from __future__ import annotations
@@ -58,6 +80,7 @@ def pct(xs, q):
 
 def run(engine: Engine, reqs, label: str) -> dict:
     engine.reset_cache()
+    spec = engine.gamma > 0
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     wall = time.perf_counter() - t0
@@ -77,6 +100,11 @@ def run(engine: Engine, reqs, label: str) -> dict:
           f"prefill computed {m.prefill_tokens_computed:8d} saved {m.prefill_tokens_saved:8d}  "
           f"idle {m.idle_total_s * 1e3:8.1f} ms over {m.idle_steps_measured} gaps "
           f"(mean {m.idle_mean_s * 1e6:7.1f} us)  preempt {m.preemptions}", flush=True)
+    if spec:
+        print(f"{'':>11}  speculative: mean ell {m.mean_verify_len:.2f}  acceptance "
+              f"{m.acceptance_rate:.3f}  tau {m.tau:.2f}  real {m.throughput_tokens_per_s:.1f} "
+              f"tok/s vs all-accepted {m.all_accepted_tokens_per_s:.1f} tok/s, verified "
+              f"{m.verified_tokens_per_s:.1f} tok/s", flush=True)
     return res, [o.tokens for o in outs]
 
 
@@ -105,7 +133,25 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default="no_cache,cache,cache_sync")
     ap.add_argument("--out", default="benchmarks/results/engine.json")
+    # speculative arms (module docstring)
+    ap.add_argument("--model", choices=("mini", "default"), default="mini",
+                    help="mini: --preset with random weights; default: the embedded default model")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="default model dtype (default bfloat16 on an accelerator, float32 on CPU)")
+    ap.add_argument("--speculative", choices=("dspark", "mtp"), default=None)
+    ap.add_argument("--verify-len", default="fixed,dynamic", help="comma list: fixed, dynamic")
+    ap.add_argument("--num-draft-tokens", type=int, default=3, help="MTP drafts per step")
+    ap.add_argument("--verify-widths", default=None,
+                    help="comma list of compiled verify column counts (default 2,4,1+γ)")
+    ap.add_argument("--cost-file", default=None, help="VerifyCost JSON for the dynamic arm")
+    ap.add_argument("--overhead", type=float, default=None, help="dynamic arm step overhead (s)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-plain", action="store_true", help="skip the non-speculative arm")
     args = ap.parse_args()
+    if args.speculative:
+        return main_speculative(args)
     if args.quick:
         args.requests, args.systems, args.system_len = min(args.requests, 24), 2, 256
         args.suffix_min, args.suffix_max, args.new = 8, 40, 8
@@ -162,6 +208,121 @@ def main():
                jax=jax.__version__, preset="default_model" if args.quick else args.preset,
                args=vars(args), compile_s=compile_s, results=results, summary=summary,
                identical_tokens=same)
+    _write(args, out)
+    print("wrote", args.out)
+
+
+def text_workload(args, params):
+    """--requests text prompts of --prompt-len tokens (benchmarks/speculative.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from speculative import make_prompts
+    rows = make_prompts(args.requests, args.prompt_len, seed=args.seed)
+    return [Request(r.tolist(), max_new_tokens=args.new, temperature=args.temperature,
+                    seed=i, request_id=i) for i, r in enumerate(rows)]
+
+
+def main_speculative(args):
+    from deepinfer_fn.speculative import schedule
+    if args.quick:
+        args.model, args.requests, args.prompt_len, args.new = "default", min(args.requests, 8), 48, 16
+        args.max_batch, args.budget, args.prefill_shapes, args.decode_buckets = 4, 128, "4x32", "4"
+    if args.model != "default":
+        raise SystemExit("--speculative needs --model default (a drafter trained for it)")
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
+    params = di.load_params(di.default_model_path(), dtype=dtype)
+    cfg = params.config
+    drafter = None
+    if args.speculative == "dspark":
+        from deepinfer_fn.speculative import load_dspark, default_dspark_path
+        drafter = load_dspark(default_dspark_path(), params, dtype=dtype)
+        gamma = drafter.config.block_size
+    else:
+        gamma = args.num_draft_tokens
+    lens = [v.strip() for v in args.verify_len.split(",") if v.strip()]
+    if args.speculative == "mtp" and lens != ["fixed"]:
+        print("MTP: only the fixed arm (no confidence head)")
+        lens = ["fixed"]
+    widths = (tuple(int(w) for w in args.verify_widths.split(",")) if args.verify_widths
+              else tuple(sorted({min(2, gamma + 1), min(4, gamma + 1), gamma + 1})))
+    reqs = text_workload(args, params)
+    shapes = tuple(tuple(int(v) for v in x.split("x")) for x in args.prefill_shapes.split(","))
+    buckets = tuple(int(x) for x in args.decode_buckets.split(","))
+    max_len = -(-(args.prompt_len + args.new + gamma + 1) // 64) * 64
+    common = dict(max_batch=args.max_batch, max_tokens_per_step=args.budget,
+                  prefill_shapes=shapes, decode_buckets=buckets, max_len=max_len,
+                  replay_tokens=args.replay, progress=False, measure_idle=True)
+    dev = jax.devices()[0].device_kind
+    print(f"{dev}: default model ({dtype.name}), {args.speculative} γ={gamma}, {len(reqs)} "
+          f"requests x {args.prompt_len} prompt + {args.new} new tokens (T={args.temperature}); "
+          f"concurrency {args.max_batch}, budget {args.budget}, prefill {shapes}, decode "
+          f"buckets {buckets}, verify widths {widths}", flush=True)
+    cost = None
+    if "dynamic" in lens:
+        if args.cost_file:
+            cost = schedule.VerifyCost.load(args.cost_file)
+        else:
+            t0 = time.perf_counter()
+            cost = schedule.measure_verify_cost(params, list(buckets), gamma,
+                                                context=args.prompt_len + args.new // 2,
+                                                repeats=3 if on_cpu else 10, verbose=True)
+            path = os.path.splitext(args.out)[0] + "_verify_cost.json"
+            cost.save(path)
+            print(f"verify cost measured in {time.perf_counter() - t0:.1f} s -> {path}")
+    arms = ([] if args.no_plain else ["plain"]) + [f"{args.speculative}_{v}" for v in lens]
+    engines, compile_s = {}, {}
+    for arm in arms:
+        kw = {}
+        if arm != "plain":
+            kw = dict(speculative=args.speculative, verify_len="fixed", verify_widths=widths)
+            kw.update(drafter=drafter) if drafter is not None else kw.update(num_draft_tokens=gamma)
+        if arm.endswith("dynamic"):
+            continue                      # built after the fixed arm (its overhead)
+        engines[arm] = Engine(params, **common, **kw)
+        compile_s[arm] = engines[arm].warmup()
+        print(f"warmup {arm}: {compile_s[arm]:.1f} s", flush=True)
+    results, tokens = [], {}
+    summary = {}
+    for rep_i in range(args.repeats):
+        for arm in arms:
+            if arm.endswith("dynamic") and arm not in engines:
+                overhead = args.overhead
+                fixed = next((r for r in results if r["label"].endswith("fixed")), None)
+                if overhead is None and fixed is not None and fixed["steps"]:
+                    step_s = fixed["wall_s"] / fixed["steps"]
+                    overhead = max(0.0, step_s - float(cost.step_seconds_for(buckets[-1])[-1]))
+                summary["dynamic_overhead_s"] = overhead = overhead or 0.0
+                engines[arm] = Engine(params, **common, speculative=args.speculative,
+                                      drafter=drafter, verify_len="dynamic",
+                                      verify_cost=cost.with_overhead(overhead),
+                                      verify_widths=widths)
+                compile_s[arm] = engines[arm].warmup()
+                print(f"warmup {arm}: {compile_s[arm]:.1f} s (overhead {overhead * 1e3:.2f} ms)",
+                      flush=True)
+            res, tokens[arm] = run(engines[arm], reqs, arm)
+            res["repeat"] = rep_i
+            results.append(res)
+            _write(args, dict(device=dev, compile_s=compile_s, results=results, partial=True))
+    by = {}
+    for r in results:
+        by.setdefault(r["label"], []).append(r["throughput_tokens_per_s"])
+    med = {k: float(np.median(v)) for k, v in by.items()}
+    fixed, dyn = f"{args.speculative}_fixed", f"{args.speculative}_dynamic"
+    if fixed in med and "plain" in med:
+        summary["fixed_over_plain"] = med[fixed] / med["plain"]
+    if dyn in med and fixed in med:
+        summary["dynamic_over_fixed"] = med[dyn] / med[fixed]
+    summary["median_tokens_per_s"] = med
+    if "plain" in tokens:
+        summary["token_agreement_with_plain"] = {
+            k: float(np.mean([a == b for x, y in zip(v, tokens["plain"]) for a, b in zip(x, y)]))
+            for k, v in tokens.items() if k != "plain"}
+    print("summary:", json.dumps(summary))
+    out = dict(device=dev, platform=platform.platform(), jax=jax.__version__,
+               model="default_model", dtype=dtype.name, speculative=args.speculative,
+               gamma=gamma, verify_widths=widths, args=vars(args), compile_s=compile_s,
+               verify_cost=None if cost is None else cost.to_json(), results=results,
+               summary=summary)
     _write(args, out)
     print("wrote", args.out)
 
