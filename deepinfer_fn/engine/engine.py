@@ -54,6 +54,40 @@ engine run sample exactly as without constrained ones: all-ones masks change no 
 constrained row may emit EOS only once its matcher accepts (the mask says so); it finishes when
 the constraint completes (EOS consumed, finish_reason "stop"); `RequestOutput.constraint_status`
 is "complete" / "incomplete" (max_new_tokens or a stop token came first) / "error".
+
+Speculative decoding (`Engine(..., speculative="dspark", drafter=d)` or `speculative="mtp",
+num_draft_tokens=k`; spec/dspark.md §2-§4): every decode sub-batch is ONE jitted device call
+(`spec_step.spec_decode_packed`) that drafts (DSpark block of γ from the slot's context rings, or
+the MTP chain of k), picks each row's verify length (verify_len "fixed": every draft the row's
+budget allows, min(γ, left - 1), so the device never emits past max_new_tokens; "dynamic":
+`schedule.padded_verify_len` from the confidences and the `verify_cost` profile at the
+sub-batch's bucket size; the forward runs on 1 + max(ell) columns rounded up to a compiled
+`verify_widths` entry), verifies [anchor, drafts] through the paged state, accepts with
+`spec.verify` (lossless: greedy match / standard speculative sampling), rolls back by moving the
+slot's committed length (window_slots >= sliding_window + γ), feeds the committed positions to
+the drafter (DSpark `push` of the tapped features; MTP pending catch-up inputs), and returns per
+row up to γ+1 tokens, their count, logprobs and the accepted / verified counts. Per slot on the
+device (`PagedState.spec`): committed length, last token, token budget, the request-local step
+counter of the counter-based draft/accept/final keys (so each request reproduces
+`generate(..., speculative=...)`'s random streams exactly, whatever its batch), and the drafter
+state. The host never waits for a row's position: it tracks an upper bound (+γ+1 per in-flight
+step, capped at prompt + max_new_tokens - 1) to allocate pages and resets it to the exact length
+when the step's results arrive (asynchronous scheduling keeps working). A decode row costs γ+1
+tokens of max_tokens_per_step. Tokens after a stop token are discarded on the host.
+Prefill sub-steps (`spec_prefill_packed`) also fill the drafter state (DSpark: taps -> push;
+MTP: the MTP over the chunk's positions whose next token is known); a request's final chunk
+initialises its counters. Prefix-cache hits replay from h - R, so the drafter's rings are
+refilled from the replayed tokens too: exact when R >= the drafter's window (DSpark window /
+sliding_window for MTP; default R = 128 = both windows of the default model) or in exact mode
+(replay_tokens=None); with a smaller R the drafter sees a truncated context (weaker drafts,
+still lossless w.r.t. the target). A preempted request resumes by re-prefilling prompt +
+generated[:-1] (no sampling) with generated[-1] as its anchor and its step counter kept, so it
+continues exactly as if never preempted. Constrained requests (Request(constraint=...)) are
+NOT supported by a speculative engine yet: they finish alone with finish_reason "error" and a
+message saying so (run them in a plain Engine). Metrics: RunMetrics.mean_verify_len,
+acceptance_rate, tau (tokens committed per row per verify step, bonus included),
+all_accepted_tokens_per_s (row-steps x (1 + γ) / wall, spec §4.2's "1 + γ" figure) next to the
+real throughput_tokens_per_s; RequestMetrics.verified / accepted per step.
 """
 
 from __future__ import annotations
