@@ -185,6 +185,50 @@ def test_prefix_cache_and_preemption_exact():
     assert eng.pages.free_count + eng.cache.num_nodes == eng.pages.capacity
 
 
+@functools.cache
+def prompts_preempt():
+    """A long prompt prefilling while a shorter one decodes: the pool runs out and the most
+    recently admitted request is preempted in the middle of its decoding."""
+    rng = np.random.default_rng(5)
+    return tuple(tuple(rng.integers(2, 4096, n).tolist()) for n in (240, 110, 10, 20))
+
+
+@pytest.mark.parametrize("method", ["dspark", pytest.param("mtp", marks=pytest.mark.heavy)])
+def test_preemption_while_decoding_resumes_exactly(method):
+    """A request preempted after it generated tokens (greedy or sampled) re-prefills prompt +
+    generated[:-1], takes generated[-1] as its anchor and keeps its step counter: every
+    request's tokens == generate(speculative=method)."""
+    prompts = prompts_preempt()
+    want, _ = spec_reference(method, prompts, TEMPS[:4], SEEDS[:4])
+    eng = engine(method, max_tokens_per_step=70, replay_tokens=None)
+    victims = []
+    preempt = eng.scheduler._preempt
+
+    def record(seq, plan):
+        victims.append((seq.req.request_id, len(seq.generated)))
+        preempt(seq, plan)
+
+    eng.scheduler._preempt = record
+    outs = eng.generate(requests(prompts, TEMPS[:4], SEEDS[:4]))
+    print(f"\n{method} preemptions (request, tokens generated): {victims}")
+    assert any(n > 0 for _, n in victims)
+    assert [o.tokens for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_stop_token_ends_a_speculative_request():
+    """The device does not know stop tokens: the host truncates right after the stop token
+    even when it falls inside a verify step's accepted tokens."""
+    prompts = prompts_long()
+    plain = reference(prompts)
+    reqs = [Request(list(p), max_new_tokens=N_NEW, stop_tokens=[w[5]], request_id=i)
+            for i, (p, w) in enumerate(zip(prompts, plain))]
+    outs = engine("dspark", max_tokens_per_step=40).generate(reqs)
+    for o, w in zip(outs, plain):
+        k = w.index(w[5])
+        assert o.finish_reason == "stop" and o.tokens == w[:k + 1]
+
+
 def test_bad_config_and_constrained_requests():
     """Clear errors for a bad speculative configuration; a constrained request in a
     speculative engine fails alone (finish_reason "error")."""
