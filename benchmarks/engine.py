@@ -223,6 +223,10 @@ def text_workload(args, params):
 
 def main_speculative(args):
     from deepinfer_fn.speculative import schedule
+    # persistent compile cache: a rerun (or the next concurrency's shared shapes) skips compiles
+    jax.config.update("jax_compilation_cache_dir", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if args.quick:
         args.model, args.requests, args.prompt_len, args.new = "default", min(args.requests, 8), 48, 16
         args.max_batch, args.budget, args.prefill_shapes, args.decode_buckets = 4, 128, "4x32", "4"
