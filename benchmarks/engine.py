@@ -142,7 +142,8 @@ def main():
     ap.add_argument("--verify-len", default="fixed,dynamic", help="comma list: fixed, dynamic")
     ap.add_argument("--num-draft-tokens", type=int, default=3, help="MTP drafts per step")
     ap.add_argument("--verify-widths", default=None,
-                    help="comma list of compiled verify column counts (default 2,4,1+γ)")
+                    help="comma list of compiled verify column counts (default: where the "
+                         "cost profile gets cheaper, schedule.column_buckets; fixed only: 1+γ)")
     ap.add_argument("--cost-file", default=None, help="VerifyCost JSON for the dynamic arm")
     ap.add_argument("--overhead", type=float, default=None, help="dynamic arm step overhead (s)")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -247,8 +248,6 @@ def main_speculative(args):
     if args.speculative == "mtp" and lens != ["fixed"]:
         print("MTP: only the fixed arm (no confidence head)")
         lens = ["fixed"]
-    widths = (tuple(int(w) for w in args.verify_widths.split(",")) if args.verify_widths
-              else tuple(sorted({min(2, gamma + 1), min(4, gamma + 1), gamma + 1})))
     reqs = text_workload(args, params)
     shapes = tuple(tuple(int(v) for v in x.split("x")) for x in args.prefill_shapes.split(","))
     buckets = tuple(int(x) for x in args.decode_buckets.split(","))
@@ -260,7 +259,7 @@ def main_speculative(args):
     print(f"{dev}: default model ({dtype.name}), {args.speculative} γ={gamma}, {len(reqs)} "
           f"requests x {args.prompt_len} prompt + {args.new} new tokens (T={args.temperature}); "
           f"concurrency {args.max_batch}, budget {args.budget}, prefill {shapes}, decode "
-          f"buckets {buckets}, verify widths {widths}", flush=True)
+          f"buckets {buckets}", flush=True)
     cost = None
     if "dynamic" in lens:
         if args.cost_file:
@@ -273,6 +272,13 @@ def main_speculative(args):
             path = os.path.splitext(args.out)[0] + "_verify_cost.json"
             cost.save(path)
             print(f"verify cost measured in {time.perf_counter() - t0:.1f} s -> {path}")
+    if args.verify_widths:
+        widths = tuple(int(w) for w in args.verify_widths.split(","))
+    elif cost is not None:     # where the profile gets cheaper (as generate compiles them)
+        widths = schedule.column_buckets(cost.step_seconds_for(buckets[-1]))
+    else:
+        widths = (gamma + 1,)
+    print(f"verify widths compiled: {widths}", flush=True)
     arms = ([] if args.no_plain else ["plain"]) + [f"{args.speculative}_{v}" for v in lens]
     engines, compile_s = {}, {}
     for arm in arms:

@@ -259,6 +259,27 @@ def plot(result, path):
     print(f"wrote {path}")
 
 
+def remeasure(params, cost, points, context: int, quick: bool):
+    """`cost` with the raw medians at `points` ("B:S" strings) measured again on this device
+    (`schedule.measure_verify_times`) and the grid re-fitted."""
+    if cost.kind != "grid" or cost.raw is None:
+        raise SystemExit("--remeasure needs a grid profile with raw medians")
+    raw = np.array(cost.raw, np.float64)
+    for point in points:
+        b, s_ = (int(x) for x in point.split(":"))
+        if b not in cost.points or not 1 <= s_ <= cost.gamma + 1:
+            raise SystemExit(f"--remeasure {point}: not a point of the loaded grid "
+                             f"(batches {cost.points}, columns 1..{cost.gamma + 1})")
+        sec = schedule.measure_verify_times(params, [b], [s_], context=context,
+                                            repeats=3 if quick else 20, warmup=1 if quick else 3,
+                                            slack=cost.gamma, verbose=True)
+        raw[cost.points.index(b), s_ - 1] = sec[0, 0]
+    meta = dict(cost.meta, remeasured=list(points),
+                remeasured_device=str(jax.devices()[0].device_kind))
+    return schedule.VerifyCost.from_grid(cost.points, raw, overhead_seconds=cost.overhead_seconds,
+                                         meta=meta)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
@@ -284,6 +305,19 @@ def main(argv=None):
                     help="step overhead (s) for --simulate-only (default: the profile's)")
     ap.add_argument("--auto-concurrency", action="store_true",
                     help="also run N_low, N_high with N*(1+γ) = 0.5x / 2x the profile's knee")
+    ap.add_argument("--arms", nargs="+", choices=("plain", "fixed", "dynamic"), default=None,
+                    help="arms to run (default: all the drafter supports)")
+    ap.add_argument("--remeasure", nargs="+", default=(), metavar="B:S",
+                    help="with --cost-file: re-measure these (batch, columns) points of the "
+                         "loaded grid first (e.g. points a previous run did not reach)")
+    ap.add_argument("--wait-for", nargs="+", default=(), metavar="FILE",
+                    help="after compiling every arm, wait until these files exist before the "
+                         "timed rounds (processes sharing one GPU: compile in parallel, time "
+                         "one after another)")
+    ap.add_argument("--compiled-file", default=None, metavar="FILE",
+                    help="create FILE once every arm is compiled and warmed up")
+    ap.add_argument("--done-file", default=None, metavar="FILE",
+                    help="create FILE when the timed rounds are over")
     ap.add_argument("--append", action="store_true",
                     help="keep the other concurrencies already in --out (split runs)")
     args = ap.parse_args(argv)
@@ -309,6 +343,11 @@ def main(argv=None):
     method, drafter = load_drafter(params, args.drafter, args.dspark_path)
     gamma = drafter.config.block_size if method == "dspark" else args.gamma
     arms = ["plain", "fixed"] + (["dynamic"] if method == "dspark" else [])
+    if args.arms:
+        bad = set(args.arms) - set(arms)
+        if bad:
+            raise SystemExit(f"--arms {sorted(bad)}: not available with the {method} drafter")
+        arms = [a for a in arms if a in args.arms]
     import importlib
     import inspect
     shrinks = "run_with_columns" in inspect.getsource(importlib.import_module("deepinfer_fn.generate"))
@@ -322,6 +361,14 @@ def main(argv=None):
     # (a) verify cost profile
     if args.cost_file:
         cost = schedule.VerifyCost.load(args.cost_file)
+        if args.remeasure:
+            cost = remeasure(params, cost, args.remeasure, prompt_len + new_tokens // 2, quick)
+            cost_path = os.path.join(os.path.dirname(os.path.abspath(out_json)),
+                                     f"verify_cost_{dev}{'_quick' if quick else ''}.json")
+            cost.save(cost_path)
+            print(f"re-measured {list(args.remeasure)} -> {cost_path}")
+    elif args.remeasure:
+        raise SystemExit("--remeasure needs --cost-file")
     else:
         t0 = time.perf_counter()
         cost = schedule.measure_verify_cost(params, cost_batches, gamma,
@@ -413,6 +460,13 @@ def main(argv=None):
             print(f"N={n} {arm}: compile+run {compile_s:.1f} s, warm run {sec:.3f} s", flush=True)
             if arm == "fixed":
                 entry["warm_fixed"] = arm_stats(out, sec, gamma, True)
+        if args.compiled_file:
+            open(args.compiled_file, "w").close()
+        if args.wait_for:
+            t0 = time.perf_counter()
+            while not all(os.path.exists(f) for f in args.wait_for):
+                time.sleep(0.5)
+            print(f"N={n}: waited {time.perf_counter() - t0:.1f} s for {args.wait_for}", flush=True)
         outs = {}
         for rep in range(repeats):                          # interleaved ABAB rounds
             for arm in (arms if rep % 2 == 0 else arms[::-1]):
@@ -421,14 +475,17 @@ def main(argv=None):
         for arm in arms:
             med = float(np.median(entry["times"][arm]))
             entry["arms"][arm] = arm_stats(outs[arm], med, gamma, arm != "plain")
-        overhead = entry.get("overhead_seconds", max(
-            0.0, entry["warm_fixed"]["step_seconds"] - float(cost.step_seconds_for(n)[-1])))
-        entry["simulation"] = simulate(cost, n, gamma, overhead)
+        if "warm_fixed" in entry:
+            overhead = entry.get("overhead_seconds", max(
+                0.0, entry["warm_fixed"]["step_seconds"] - float(cost.step_seconds_for(n)[-1])))
+            entry["simulation"] = simulate(cost, n, gamma, overhead)
         if "dynamic" in entry["arms"]:
             entry["dynamic_over_fixed"] = (entry["arms"]["dynamic"]["real_tok_s"] /
                                            entry["arms"]["fixed"]["real_tok_s"])
         result["concurrency"].append(entry)
         save()
+    if args.done_file:
+        open(args.done_file, "w").close()
 
     # report
     print(f"\n{'N':>4} {'arm':>8} {'ell':>5} {'acc':>6} {'tau':>5} {'real tok/s':>11} "

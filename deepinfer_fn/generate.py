@@ -688,16 +688,19 @@ def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
     return jnp.clip(ell.astype(jnp.int32), 0, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode"))
+@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode", "column_buckets"))
 def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeState, logits,
                    done, sampling: SamplingParams, pad_id, sched, masks=None, session=None, *,
-                   n: int, stop_tokens: tuple[int, ...], mode: str):
+                   n: int, stop_tokens: tuple[int, ...], mode: str,
+                   column_buckets: tuple[int, ...] | None = None):
     """Up to n tokens per row: the first sampled from the prefill logits, then
     `lax.while_loop` steps of draft (DSpark block of γ) -> verify ell_b + 1 tokens per row
     (one all-logits forward with the taps) -> accept -> rollback of the target state ->
     push the committed positions' features (anchor + accepted drafts) into the draft
     context. The draft context therefore only ever holds committed positions and is at the
-    target's length whenever a block is drafted. Returns like `_spec_decode`.
+    target's length whenever a block is drafted. Returns like `_spec_decode`. Dynamic and
+    random modes run the verify forward on the smallest of `column_buckets` (default every
+    width) that holds 1 + max(ell) columns (`schedule.run_with_columns`).
 
     Constrained (masks: packed uint32 [B,W] for the first token; session: id of a registered
     `structured.ConstrainedBatch`), as `_spec_decode`: the first token is sampled under `masks`
@@ -753,7 +756,7 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         else:  # the padded forward runs 1 + max(ell) columns: shorter ell saves compute
             from deepinfer_fn.speculative import schedule
             (logits, feats), new_state = schedule.run_with_columns(
-                verify_forward, ids, schedule.verify_columns(ell, active))
+                verify_forward, ids, schedule.verify_columns(ell, active), column_buckets)
         if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
             logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
         tokens, g, n_emit, hit, out, logp, count, extra = _verify_and_emit(
@@ -783,12 +786,16 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
 
 
 def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
-    """(temps [γ], step_seconds [γ+1], overhead, eps) for the dynamic scheduler, else None."""
+    """((temps [γ], step_seconds [γ+1], overhead, eps), column buckets) for the dynamic
+    scheduler, else (None, None). Only the widths where the profile gets >= 10% cheaper are
+    compiled (`schedule.column_buckets`), and the scheduler sees the cost of the width that
+    actually runs (`schedule.bucketed_seconds`)."""
+    from deepinfer_fn.speculative import schedule
     if verify_len in ("fixed", "random"):
         if verify_cost is not None:
             raise ValueError(f"verify_cost is only used with verify_len='dynamic', not "
                              f"{verify_len!r}")
-        return None
+        return None, None
     if verify_cost is None:
         raise ValueError("verify_len='dynamic' needs verify_cost= (a speculative.schedule."
                          "VerifyCost profile of the verify forward)")
@@ -799,8 +806,10 @@ def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
                          f"expected ({g + 1},) for a drafter with block size {g}")
     overhead = float(getattr(verify_cost, "overhead_seconds", 0.0))
     eps = float(getattr(verify_cost, "eps", 0.0))
-    return (drafter.sts_temperatures.astype(jnp.float32), jnp.asarray(step_seconds),
-            jnp.float32(overhead), jnp.float32(eps))
+    buckets = schedule.column_buckets(step_seconds)
+    step_seconds = schedule.bucketed_seconds(step_seconds, buckets).astype(np.float32)
+    return ((drafter.sts_temperatures.astype(jnp.float32), jnp.asarray(step_seconds),
+             jnp.float32(overhead), jnp.float32(eps)), buckets)
 
 
 def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
@@ -825,7 +834,7 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     if mesh_context(params)[0] is not None:
         raise NotImplementedError("speculative decoding on a sharded mesh is not supported yet")
     B = tokens.shape[0]
-    sched = _dspark_schedule_args(drafter, verify_len, verify_cost, B)
+    sched, buckets = _dspark_schedule_args(drafter, verify_len, verify_cost, B)
     sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
     constrained = None
     if constraint is not None:  # compiled per request on the host; a bad grammar fails its row
@@ -840,7 +849,7 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
                                             prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=verify_len)
+    kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=verify_len, column_buckets=buckets)
     if constrained is None:
         out, logp, count, stopped, acc, ver, conf = _dspark_decode(
             params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,

@@ -598,3 +598,31 @@ def test_run_with_columns_runs_only_s_columns():
     ell = jnp.asarray([0, 2, 3]), jnp.asarray([True, True, False])
     assert int(sch.verify_columns(*ell)) == 3
     assert int(sch.verify_columns(jnp.zeros(3, jnp.int32), jnp.zeros(3, bool))) == 1
+
+
+def test_column_buckets_and_bucketed_run():
+    """Only widths where the profile gets >= 10% cheaper are compiled; S columns run on the
+    smallest bucket >= S (brute force over every S), and the scheduler sees that bucket's cost."""
+    assert sch.column_buckets([1.0] * 6) == (6,)                       # flat: nothing to gain
+    assert sch.column_buckets([1, 2, 3, 4, 5, 6]) == (1, 2, 3, 4, 5, 6)  # steep: every width
+    h200 = [1.397e-3, 1.397e-3, 1.397e-3, 1.487e-3, 1.499e-3, 3.043e-3]   # measured, B = 16
+    assert sch.column_buckets(h200) == (5, 6)
+    assert sch.column_buckets(h200, rel_tol=0.05) == (3, 5, 6)
+    np.testing.assert_allclose(sch.bucketed_seconds(h200, (5, 6)), [1.499e-3] * 5 + [3.043e-3])
+    for buckets in ((6,), (2, 6), (1, 3, 5, 6)):
+        sec = np.arange(1.0, 7.0)
+        got = sch.bucketed_seconds(sec, buckets)
+        want = [sec[min(b for b in buckets if b >= s) - 1] for s in range(1, 7)]
+        np.testing.assert_array_equal(got, want)
+    K = 6
+    ids = jnp.arange(2 * K, dtype=jnp.int32).reshape(2, K) + 1
+    fn = lambda ids_s: ((ids_s * 3,), 100 * ids_s.shape[1])
+    for buckets in ((K,), (2, 4, K)):
+        f = jax.jit(lambda ids, s: sch.run_with_columns(fn, ids, s, buckets))
+        for S in range(1, K + 1):
+            (tok,), rest = f(ids, jnp.int32(S))
+            width = min(b for b in buckets if b >= S)
+            assert int(rest) == 100 * width
+            np.testing.assert_array_equal(tok, np.where(np.arange(K) < width, np.asarray(ids) * 3, 0))
+    with pytest.raises(ValueError, match="ending at K"):
+        sch.run_with_columns(fn, ids, 3, (2, 4))

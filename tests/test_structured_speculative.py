@@ -252,6 +252,7 @@ def test_sampled_speculative_outputs_are_valid(model, tok, prompts, kind):
     _check_bookkeeping(out)
 
 
+@pytest.mark.heavy   # its own compile (~1 min on 2 cores); DSpark's mixed-batch test stays default
 def test_mixed_batch_free_rows_are_unchanged(model, tok, prompts):
     """Free rows (None) of a constrained speculative batch, greedy and sampled, are exactly what
     an unconstrained speculative call gives them; the constrained rows are valid."""

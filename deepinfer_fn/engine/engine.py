@@ -251,11 +251,12 @@ class Engine:
     num_draft_tokens = k tokens, default 3). verify_len: "fixed" (verify every draft the
     budget allows) or "dynamic" (DSpark only; verify_cost: a `speculative.schedule.VerifyCost`
     profile, read at each decode bucket's size); verify_widths: the verify forward's column
-    counts compiled (ascending, ending at 1 + γ; default (1 + γ,) for "fixed", every
-    1..1+γ for "dynamic"); each step runs 1 + max(ell) columns rounded up to one of them
-    (fewer widths = faster compilation; the dynamic scheduler sees the rounded cost). Fixed
-    and dynamic engines with the same shapes and widths share one compiled decode step. See
-    the module docstring, "Speculative decoding".
+    counts compiled (ascending, ending at 1 + γ; default (1 + γ,) for "fixed" and, for
+    "dynamic", per decode bucket the widths where the profile gets cheaper,
+    `schedule.column_buckets`, as generate does); each step runs 1 + max(ell) columns rounded
+    up to one of them (the dynamic scheduler sees the rounded cost). Fixed and dynamic engines
+    with the same shapes and widths share one compiled decode step. See the module
+    docstring, "Speculative decoding".
     """
 
     def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -323,17 +324,19 @@ class Engine:
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
         self.speculative, self.drafter, self.gamma = speculative, drafter, gamma
-        self.verify_len, self.verify_widths = verify_len, None
-        self._sched_args = {}
+        self.verify_len = verify_len
+        self._sched_args, self._widths = {}, {}
         if gamma:
             self.state = dataclasses.replace(self.state, spec=init_spec_state(
                 cfg, max_batch=max_batch, method=speculative, dtype=params.dtype,
                 drafter=drafter, k=gamma, window_slots=self.state.window_slots))
-            self.verify_widths = self._check_widths(verify_widths, verify_len, gamma)
-            if speculative == "dspark":
-                self._sched_args = {b: schedule_args(drafter, verify_len, verify_cost, b,
-                                                     self.verify_widths)
-                                    for b in decode_buckets}
+            widths = self._check_widths(verify_widths, gamma)
+            for b in decode_buckets:
+                if speculative == "dspark":
+                    self._sched_args[b], self._widths[b] = schedule_args(
+                        drafter, verify_len, verify_cost, b, widths)
+                else:
+                    self._widths[b] = widths or (gamma + 1,)
         elif verify_widths is not None:
             raise ValueError("verify_widths needs speculative='dspark' or 'mtp'")
         self._active_params = count_params(cfg)["active"]
@@ -345,9 +348,9 @@ class Engine:
         self.last_run = RunMetrics()
 
     @staticmethod
-    def _check_widths(widths, verify_len, gamma):
+    def _check_widths(widths, gamma):
         if widths is None:
-            return (gamma + 1,) if verify_len == "fixed" else tuple(range(1, gamma + 2))
+            return None
         w = tuple(int(x) for x in widths)
         if not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] != gamma + 1:
             raise ValueError(f"verify_widths {widths} must be ascending distinct column counts "
@@ -577,7 +580,7 @@ class Engine:
                 self.state, out = spec_decode_packed(
                     self.params, self.drafter, self.state, packed,
                     self._sched_args.get(packed.shape[0]), method=self.speculative,
-                    k=self.gamma, widths=self.verify_widths)
+                    k=self.gamma, widths=self._widths[packed.shape[0]])
                 outs.append([rows, out, None, None, "spec"])
             elif self.gamma:
                 self.state, out = spec_prefill_packed(self.params, self.drafter, self.state,
@@ -701,7 +704,7 @@ class Engine:
             elif width is None:
                 self.state, _ = spec_decode_packed(
                     self.params, self.drafter, self.state, packed, self._sched_args.get(n),
-                    method=self.speculative, k=self.gamma, widths=self.verify_widths)
+                    method=self.speculative, k=self.gamma, widths=self._widths[n])
             else:
                 self.state, _ = spec_prefill_packed(self.params, self.drafter, self.state,
                                                     packed, method=self.speculative)

@@ -140,19 +140,25 @@ def spec_prefill_packed(params, drafter, state: PagedState, packed, *, method: s
 # --- decode (draft -> verify -> accept -> rollback -> drafter update) -----------------------
 
 
-def schedule_args(drafter, verify_len: str, verify_cost, batch: int, widths):
-    """The decode step's `sched` for a DSpark engine at a decode bucket of `batch` rows:
-    (STS temperatures [γ], step seconds [γ+1] (rounded to the compiled widths), overhead,
-    eps, dynamic flag); for "fixed" placeholders with the flag off."""
+def schedule_args(drafter, verify_len: str, verify_cost, batch: int, widths=None):
+    """(sched, widths) for a DSpark engine's decode step at a bucket of `batch` rows. sched =
+    (STS temperatures [γ], step seconds [γ+1] as the compiled widths cost them
+    (`schedule.bucketed_seconds`), overhead, eps, dynamic flag); "fixed": placeholders with the
+    flag off. widths: the given ones, else (γ+1,) for "fixed" and, for "dynamic", the widths
+    where the profile gets cheaper (`schedule.column_buckets`, as generate compiles them)."""
     from deepinfer_fn.generate import _dspark_schedule_args
-    from deepinfer_fn.speculative.schedule import rounded_step_seconds
+    from deepinfer_fn.speculative.schedule import bucketed_seconds
     g = drafter.config.block_size
     if verify_len == "fixed":
-        return (drafter.sts_temperatures.astype(jnp.float32), jnp.ones((g + 1,), jnp.float32),
-                jnp.float32(0), jnp.float32(0), jnp.bool_(False))
-    temps, secs, overhead, eps = _dspark_schedule_args(drafter, verify_len, verify_cost, batch)
-    return (temps, jnp.asarray(rounded_step_seconds(secs, widths)), overhead, eps,
-            jnp.bool_(True))
+        return ((drafter.sts_temperatures.astype(jnp.float32), jnp.ones((g + 1,), jnp.float32),
+                 jnp.float32(0), jnp.float32(0), jnp.bool_(False)),
+                tuple(widths) if widths else (g + 1,))
+    (temps, secs, overhead, eps), auto = _dspark_schedule_args(drafter, verify_len,
+                                                               verify_cost, batch)
+    if widths and tuple(widths) != tuple(auto):
+        raw = verify_cost.step_seconds_for(batch)
+        secs = jnp.asarray(bucketed_seconds(raw, widths).astype("float32"))
+    return (temps, secs, overhead, eps, jnp.bool_(True)), tuple(widths or auto)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "k", "widths"), donate_argnums=(2,))

@@ -115,21 +115,43 @@ def verify_columns(ell, active):
     return 1 + jnp.max(jnp.where(jnp.asarray(active, bool), jnp.asarray(ell, jnp.int32), 0))
 
 
-def run_with_columns(fn, ids, n_columns, widths=None):
-    """Runs `fn` on the first S = n_columns columns of ids [B, K] only, so a padded verify
-    forward costs S columns, not K (the saving `padded_verify_len` assumes).
+def column_buckets(step_seconds, rel_tol: float = 0.1) -> tuple[int, ...]:
+    """The column counts worth compiling for a padded verify forward, from its cost row
+    step_seconds [K] (columns 1..K at this batch): walking down from K, a count S is kept when
+    it costs less than (1 - rel_tol) x the last kept count (the largest count of each cheaper
+    plateau); K is always kept. A flat profile gives (K,): shrinking saves nothing there, so
+    nothing else is compiled (each kept count is one branch of `run_with_columns`)."""
+    sec = np.maximum.accumulate(np.asarray(step_seconds, np.float64))
+    kept = [len(sec)]
+    for s in range(len(sec) - 1, 0, -1):
+        if sec[s - 1] < (1.0 - rel_tol) * sec[kept[-1] - 1]:
+            kept.append(s)
+    return tuple(sorted(kept))
 
-    n_columns: traced int32 in 1..K (clipped), e.g. `verify_columns(ell, active)`. fn(ids_S
-    [B, S]) -> (per_token, rest): per_token a pytree of arrays [B, S, ...] (logits, streams,
-    taps), padded back to K columns with zeros; rest a pytree whose shapes do not depend on
-    S (the new decode state). Implemented as `lax.switch` over the K static widths: every
-    width is compiled once (K branches in the program), one runs per step. widths (optional,
-    ascending, the last = K): compile only these widths; S is rounded up to the next one (the
-    extra columns are computed and ignored: fn must mask them, e.g. by n_new)."""
+
+def bucketed_seconds(step_seconds, buckets) -> np.ndarray:
+    """step_seconds [K] as a forward restricted to `buckets` costs: S columns cost what the
+    smallest bucket >= S costs (what the scheduler should see when only those widths run)."""
+    sec = np.asarray(step_seconds, np.float64)
+    idx = np.searchsorted(np.asarray(buckets), np.arange(1, len(sec) + 1), side="left")
+    return sec[np.asarray(buckets)[idx] - 1]
+
+
+def run_with_columns(fn, ids, n_columns, buckets=None):
+    """Runs `fn` on the first S columns of ids [B, K] only (S = the smallest of `buckets` that is
+    >= n_columns; default buckets 1..K, i.e. S = n_columns), so a padded verify forward costs S
+    columns, not K (the saving `padded_verify_len` assumes).
+
+    n_columns: traced int32 in 1..K (clipped), e.g. `verify_columns(ell, active)`; buckets:
+    static ascending column counts ending at K (`column_buckets`). fn(ids_S [B, S]) ->
+    (per_token, rest): per_token a pytree of arrays [B, S, ...] (logits, streams, taps), padded
+    back to K columns with zeros; rest a pytree whose shapes do not depend on S (the new decode
+    state). Implemented as `lax.switch` over the bucket widths: every bucket is compiled once
+    (one branch each), one runs per step."""
     B, K = ids.shape
-    widths = tuple(range(1, K + 1)) if widths is None else tuple(int(w) for w in widths)
-    if not widths or list(widths) != sorted(set(widths)) or widths[0] < 1 or widths[-1] != K:
-        raise ValueError(f"widths {widths} must be ascending distinct column counts ending at {K}")
+    buckets = tuple(range(1, K + 1)) if buckets is None else tuple(int(b) for b in buckets)
+    if not buckets or buckets[-1] != K or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+        raise ValueError(f"buckets {buckets} must be ascending column counts ending at K={K}")
 
     def branch(s):
         def run(ids):
@@ -139,16 +161,10 @@ def run_with_columns(fn, ids, n_columns, widths=None):
         return run
 
     n = jnp.clip(jnp.asarray(n_columns, jnp.int32), 1, K)
-    index = jnp.sum(jnp.asarray(widths, jnp.int32) < n)      # first width >= n
-    return jax.lax.switch(index, [branch(s) for s in widths], ids)
-
-
-def rounded_step_seconds(step_seconds, widths) -> np.ndarray:
-    """step_seconds [K] (S = 1..K columns) as seen by a forward compiled only at `widths`:
-    S costs the time of the next compiled width (what `run_with_columns(..., widths)` runs)."""
-    t = np.asarray(step_seconds, np.float64)
-    w = np.asarray(widths)
-    return np.asarray([t[w[np.searchsorted(w, s)] - 1] for s in range(1, len(t) + 1)], np.float32)
+    index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), n, side="left")
+    if len(buckets) == 1:
+        return branch(K)(ids)
+    return jax.lax.switch(index, [branch(s) for s in buckets], ids)
 
 
 # --- isotonic fit -----------------------------------------------------------------------------
@@ -346,38 +362,61 @@ def flat_cost(gamma: int, seconds: float = 1.0, batches=(1,)) -> VerifyCost:
 def measure_verify_cost(params, batches: Sequence[int], gamma: int, *, context: int = 256,
                         repeats: int = 10, warmup: int = 2, seed: int = 0,
                         window_slots: int | None = None, verbose: bool = False) -> VerifyCost:
-    """Times the target's verify forward on the default device.
+    """Times the target's verify forward on the default device (`measure_verify_times` for
+    columns 1..gamma+1) and returns `VerifyCost.from_grid` (isotonic fit; raw medians kept)."""
+    if gamma < 1 or not batches:
+        raise ValueError(f"need gamma >= 1 and at least one batch, got {gamma}, {batches}")
+    table = measure_verify_times(params, batches, range(1, gamma + 2), context=context,
+                                 repeats=repeats, warmup=warmup, seed=seed,
+                                 window_slots=window_slots or 0, slack=gamma, verbose=verbose)
+    return VerifyCost.from_grid([int(b) for b in batches], table,
+                                meta=_measure_meta(params, context, repeats))
+
+
+def _measure_meta(params, context, repeats) -> dict:
+    return dict(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
+                context=context, repeats=repeats, dtype=str(jnp.dtype(params.dtype)))
+
+
+def measure_verify_times(params, batches: Sequence[int], columns: Sequence[int], *,
+                         context: int = 256, repeats: int = 10, warmup: int = 2, seed: int = 0,
+                         window_slots: int = 0, slack: int | None = None,
+                         verbose: bool = False) -> np.ndarray:
+    """seconds float64 [len(batches), len(columns)]: median time of the target's verify forward.
 
     For each batch B: a decode state prefilled with `context` random tokens per row (real
-    prefill, so every ring/row is valid), then for S = 1..gamma+1 the jitted
+    prefill, so every ring/row is valid), then for each S in `columns` the jitted
     `transformer.forward_chunk(params, state, ids [B,S], n_new=S, all_logits=True)` with the
     state donated and its lengths moved back after each call (what a rejected verify does);
     compile + `warmup` runs excluded, median of `repeats` timed runs (block_until_ready).
-    Returns `VerifyCost.from_grid` (isotonic fit; raw medians kept)."""
+    `slack` (default max(columns) - 1): extra window slots, as a speculative loop has."""
     from deepinfer_fn.generate import prefill
     from deepinfer_fn.model import transformer
     from deepinfer_fn.speculative.verify import rollback
     from deepinfer_fn.state import init_state
 
     cfg = params.config
-    if gamma < 1 or not batches:
-        raise ValueError(f"need gamma >= 1 and at least one batch, got {gamma}, {batches}")
-    if context < 1 or context + gamma + 1 > cfg.max_position_embeddings:
+    columns = [int(c) for c in columns]
+    if not batches or not columns or min(columns) < 1:
+        raise ValueError(f"need batches and columns >= 1, got {batches}, {columns}")
+    slack = max(columns) - 1 if slack is None else slack
+    if context < 1 or context + max(columns) > cfg.max_position_embeddings:
         raise ValueError(f"context={context} out of range for max_position_embeddings="
                          f"{cfg.max_position_embeddings}")
-    slots = max(window_slots or 0, cfg.sliding_window + gamma)
+    slots = max(window_slots, cfg.sliding_window + slack)
     fwd = jax.jit(lambda p, s, ids, n: transformer.forward_chunk(p, s, ids, n, all_logits=True)[:2],
                   donate_argnums=(1,))
     rng = np.random.default_rng(seed)
     table = []
     for B in batches:
-        state = init_state(cfg, int(B), context + gamma + 16, window_slots=slots, dtype=params.dtype)
+        state = init_state(cfg, int(B), context + max(columns) + 16, window_slots=slots,
+                           dtype=params.dtype)
         prompt = rng.integers(2, cfg.vocab_size, size=(int(B), context)).astype(np.int32)
         _, state = prefill(params, state, prompt, np.full((int(B),), context, np.int32),
                            min(context, 512))
         lengths0 = np.asarray(state.lengths)   # host copy: the device one is donated
         row = []
-        for S in range(1, gamma + 2):
+        for S in columns:
             ids = jnp.asarray(rng.integers(2, cfg.vocab_size, size=(int(B), S)), jnp.int32)
             n_new = jnp.full((int(B),), S, jnp.int32)
             times = []
@@ -394,9 +433,7 @@ def measure_verify_cost(params, batches: Sequence[int], gamma: int, *, context: 
                 print(f"  verify cost: batch {B:4d} columns {S}: {row[-1] * 1e3:8.3f} ms",
                       flush=True)
         table.append(row)
-    meta = dict(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
-                context=context, repeats=repeats, dtype=str(jnp.dtype(params.dtype)))
-    return VerifyCost.from_grid([int(b) for b in batches], np.asarray(table), meta=meta)
+    return np.asarray(table, np.float64)
 
 
 # --- packed (ragged) layout: the production policy of §3.3 / §3.4 -----------------------------
