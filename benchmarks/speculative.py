@@ -116,8 +116,8 @@ def arm_kwargs(arm: str, method: str, drafter, gamma: int, cost):
     if method == "mtp":
         return dict(speculative="mtp", num_draft_tokens=gamma)
     kw = dict(speculative="dspark", drafter=drafter, verify_len=arm)
-    if arm == "dynamic":
-        kw["verify_cost"] = cost
+    if arm in ("dynamic", "fixed") and cost is not None:
+        kw["verify_cost"] = cost     # fixed + a profile: the dynamic arm's program, flag off
     return kw
 
 
@@ -441,7 +441,10 @@ def main(argv=None):
     result["concurrency"].extend(kept)
     for n in conc:
         prompts = make_prompts(n, prompt_len)
-        kw = {arm: arm_kwargs(arm, method, drafter, gamma, None) for arm in arms}
+        # fixed and dynamic share one compiled program (generate's traced flag) when both run
+        kw = {arm: arm_kwargs(arm, method, drafter, gamma,
+                              cost if arm == "fixed" and "dynamic" in arms else None)
+              for arm in arms}
         entry = dict(n=n, arms={}, times={arm: [] for arm in arms})
         # warm-up (compile) + the overhead estimate for the dynamic arm from the fixed arm
         for arm in arms:

@@ -256,7 +256,10 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     verifies ell of them: verify_len="fixed" -> ell = γ (deterministic with a fixed seed),
     "dynamic" -> ell per row from the confidence head and `verify_cost` (a
     `speculative.schedule.VerifyCost` profile; spec/dspark.md §3), "random" -> uniform in
-    0..γ per row and step (a diagnostic for losslessness tests). Same losslessness and
+    0..γ per row and step (a diagnostic for losslessness tests). With verify_len="fixed",
+    `verify_cost` is optional: given, the run uses the same compiled program as "dynamic" with
+    that profile (the verifying-everything choice is a traced flag), so comparing the two
+    compiles once; the tokens are those of "fixed" without it. Same losslessness and
     statistics as "mtp"; the output also carries the confidence logits (`draft_confidence`).
     With `constraint`, the Markov pass draws each draft under the grammar mask after the
     drafts before it and the target is verified masked, as for "mtp" (greedy constrained
@@ -672,10 +675,12 @@ def _dspark_prefill(params, drafter, state, dstate, tokens, lengths, chunk):
 
 
 def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
-    """ell [B]: cap ("fixed"); the scheduler's padded verify length ("dynamic",
-    deepinfer_fn/speculative/schedule.py; decided from confidences only: non-anticipating);
-    or uniform in 0..cap per row and step ("random": a diagnostic mode for losslessness
-    tests, spec §6.3; its key is the DRAFT stream at slot γ, which no draft uses)."""
+    """ell [B]: cap ("fixed"); the scheduler's padded verify length ("scheduled" with the
+    traced flag sched[4] set: verify_len="dynamic", deepinfer_fn/speculative/schedule.py;
+    decided from confidences only: non-anticipating), or cap (flag clear: verify_len="fixed"
+    sharing the dynamic program); or uniform in 0..cap per row and step ("random": a
+    diagnostic mode for losslessness tests, spec §6.3; its key is the DRAFT stream at slot γ,
+    which no draft uses)."""
     if mode == "fixed":
         return cap
     if mode == "random":
@@ -683,9 +688,9 @@ def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
         u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
         return jnp.minimum((u * (cap + 1).astype(jnp.float32)).astype(jnp.int32), cap)
     from deepinfer_fn.speculative import schedule
-    temps, step_seconds, overhead, eps = sched
+    temps, step_seconds, overhead, eps, dynamic = sched
     ell = schedule.padded_verify_len(conf, temps, active, cap, step_seconds, overhead, eps)
-    return jnp.clip(ell.astype(jnp.int32), 0, cap)
+    return jnp.where(dynamic, jnp.clip(ell.astype(jnp.int32), 0, cap), cap)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode", "column_buckets"))
@@ -786,16 +791,20 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
 
 
 def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
-    """((temps [γ], step_seconds [γ+1], overhead, eps), column buckets) for the dynamic
-    scheduler, else (None, None). Only the widths where the profile gets >= 10% cheaper are
-    compiled (`schedule.column_buckets`), and the scheduler sees the cost of the width that
-    actually runs (`schedule.bucketed_seconds`)."""
+    """((temps [γ], step_seconds [γ+1], overhead, eps, dynamic flag), column buckets) for the
+    "scheduled" program (verify_len "dynamic", or "fixed" given a profile: flag False), else
+    (None, None). Only the widths where the profile gets >= 10% cheaper are compiled
+    (`schedule.column_buckets`), and the scheduler sees the cost of the width that actually
+    runs (`schedule.bucketed_seconds`)."""
     from deepinfer_fn.speculative import schedule
-    if verify_len in ("fixed", "random"):
+    if verify_len == "random" or (verify_len == "fixed" and verify_cost is None):
         if verify_cost is not None:
-            raise ValueError(f"verify_cost is only used with verify_len='dynamic', not "
-                             f"{verify_len!r}")
+            raise ValueError(f"verify_cost is only used with verify_len='dynamic' or 'fixed', "
+                             f"not {verify_len!r}")
         return None, None
+    if verify_cost is not None and not callable(getattr(verify_cost, "step_seconds_for", None)):
+        raise ValueError(f"verify_cost must be a speculative.schedule.VerifyCost profile, got "
+                         f"{type(verify_cost).__name__}")
     if verify_cost is None:
         raise ValueError("verify_len='dynamic' needs verify_cost= (a speculative.schedule."
                          "VerifyCost profile of the verify forward)")
@@ -809,7 +818,8 @@ def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
     buckets = schedule.column_buckets(step_seconds)
     step_seconds = schedule.bucketed_seconds(step_seconds, buckets).astype(np.float32)
     return ((drafter.sts_temperatures.astype(jnp.float32), jnp.asarray(step_seconds),
-             jnp.float32(overhead), jnp.float32(eps)), buckets)
+             jnp.float32(overhead), jnp.float32(eps), jnp.asarray(verify_len == "dynamic")),
+            buckets)
 
 
 def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
@@ -849,7 +859,8 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
                                             prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=verify_len, column_buckets=buckets)
+    mode = "scheduled" if sched is not None else verify_len
+    kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=mode, column_buckets=buckets)
     if constrained is None:
         out, logp, count, stopped, acc, ver, conf = _dspark_decode(
             params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,

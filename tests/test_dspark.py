@@ -253,7 +253,9 @@ def test_draft_context_holds_committed_positions_only(planted_runs):
 def test_dynamic_verify_length(planted_runs):
     """With the scheduler of speculative/schedule.py: a flat cost verifies every draft the
     row may still use (ell = min(γ, tokens left - 1)); a cost that doubles per column never
-    pays for a draft (ell = 0); greedy output is the plain greedy output either way."""
+    pays for a draft (ell = 0); verify_len="fixed" given the steep profile runs the dynamic
+    program with the flag off (every draft verified); greedy output is the plain greedy output
+    every time."""
     from deepinfer_fn.speculative import schedule
     tokens, kw, runs = planted_runs
     target, d = runs[1.0]["target"], runs[1.0]["drafter"]
@@ -261,17 +263,18 @@ def test_dynamic_verify_length(planted_runs):
     plain = np.asarray(runs[1.0]["plain"].tokens)[rows]
     flat = schedule.flat_cost(GAMMA, 1.0, batches=(1, 8))
     steep = schedule.VerifyCost.from_grid([1, 8], np.tile(2.0 ** np.arange(GAMMA + 1), (2, 1)))
-    for name, cost in (("flat", flat), ("steep", steep)):
+    for name, cost, mode in (("flat", flat, "dynamic"), ("steep", steep, "dynamic"),
+                             ("fixed", steep, "fixed")):
         out = di.generate(target, tokens[rows], lengths=kw["lengths"][rows],
                           max_new_tokens=N_NEW, stop_tokens=STOPS, pad_id=0,
-                          speculative="dspark", drafter=d, verify_len="dynamic",
+                          speculative="dspark", drafter=d, verify_len=mode,
                           verify_cost=cost)
         np.testing.assert_array_equal(np.asarray(out.tokens), plain)
         acc, ver = np.asarray(out.accepted), np.asarray(out.verified)
         for b in range(N_GREEDY):
             count = 1
             for g, v in zip(acc[b][acc[b] >= 0], ver[b][acc[b] >= 0]):
-                assert v == (min(GAMMA, N_NEW - count - 1) if name == "flat" else 0), (name, b)
+                assert v == (0 if name == "steep" else min(GAMMA, N_NEW - count - 1)), (name, b)
                 count += g + 1
 
 
@@ -317,7 +320,9 @@ def test_bad_input():
         run(drafter=d, verify_len="sometimes")
     with pytest.raises(ValueError, match="needs verify_cost"):
         run(drafter=d, verify_len="dynamic")
-    with pytest.raises(ValueError, match="only used with verify_len='dynamic'"):
+    with pytest.raises(ValueError, match="only used with verify_len='dynamic' or 'fixed'"):
+        run(drafter=d, verify_len="random", verify_cost=object())
+    with pytest.raises(ValueError, match="must be a speculative.schedule.VerifyCost"):
         run(drafter=d, verify_cost=object())
     from deepinfer_fn.speculative import schedule
     with pytest.raises(ValueError, match="expected \\(6,\\)"):
