@@ -255,3 +255,41 @@ def test_bad_config_and_constrained_requests():
     eng = engine("mtp", max_tokens_per_step=40)
     out = eng.generate([Request([5, 6, 7], constraint=di.Regex("[0-9]+"))])[0]
     assert out.finish_reason == "error" and "speculative" in out.error
+
+
+def test_stream_early_close_and_cancel():
+    """A speculative engine's stream delivers several tokens per event whose pieces add up to
+    the final outputs (== plain greedy); closing the stream early drains the engine (no slot or
+    page leaks, in-flight verify steps finish) and it then runs a new batch correctly; a
+    request cancelled while decoding finishes "cancelled" with a prefix of its tokens."""
+    prompts = prompts_long()
+    plain = reference(prompts)
+    eng = engine("dspark", max_tokens_per_step=40)
+    pieces, finals, sizes = {}, {}, []
+    for ev in eng.stream([Request(list(p), max_new_tokens=N_NEW, request_id=i)
+                          for i, p in enumerate(prompts[:3])]):
+        pieces.setdefault(ev.request_id, []).extend(ev.tokens)
+        sizes.append(len(ev.tokens))
+        if ev.output is not None:
+            finals[ev.request_id] = ev.output
+    for i in range(3):
+        assert finals[i].tokens == plain[i] and pieces[i] == plain[i], i
+    assert max(sizes) > 1                       # verify steps commit several tokens at once
+    it = eng.stream([list(p) for p in prompts], max_new_tokens=N_NEW)
+    next(it)
+    it.close()
+    assert not eng.scheduler.has_work()
+    assert eng.pages.free_count + eng.cache.num_nodes == eng.pages.capacity
+    assert sorted(eng.scheduler.free_slots) == list(range(eng.max_batch))
+    outs = []
+    for ev in eng.stream([Request(list(p), max_new_tokens=N_NEW, request_id=rid)
+                          for p, rid in zip(prompts[3:5], ("keep", "late"))]):
+        if ev.request_id == "late" and ev.tokens and ev.output is None:
+            eng.cancel("late")
+        if ev.output is not None:
+            outs.append(ev.output)
+    by_id = {o.request_id: o for o in outs}
+    assert by_id["keep"].tokens == plain[3]
+    late = by_id["late"]
+    assert late.finish_reason == "cancelled" and late.tokens == plain[4][:len(late.tokens)]
+    assert 0 < len(late.tokens) < N_NEW
