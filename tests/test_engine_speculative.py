@@ -229,9 +229,8 @@ def test_stop_token_ends_a_speculative_request():
         assert o.finish_reason == "stop" and o.tokens == w[:k + 1]
 
 
-def test_bad_config_and_constrained_requests():
-    """Clear errors for a bad speculative configuration; a constrained request in a
-    speculative engine fails alone (finish_reason "error")."""
+def test_bad_config():
+    """Clear errors for a bad speculative configuration."""
     p = params()
     with pytest.raises(ValueError, match="drafter"):
         Engine(p, speculative="dspark", **SHAPES)
@@ -252,9 +251,6 @@ def test_bad_config_and_constrained_requests():
         Engine(p, speculative="eagle", **SHAPES)
     with pytest.raises(ValueError, match="max_tokens_per_step"):
         Engine(p, speculative="mtp", **{**SHAPES, "max_tokens_per_step": 3})
-    eng = engine("mtp", max_tokens_per_step=40)
-    out = eng.generate([Request([5, 6, 7], constraint=di.Regex("[0-9]+"))])[0]
-    assert out.finish_reason == "error" and "speculative" in out.error
 
 
 def test_stream_early_close_and_cancel():
@@ -293,3 +289,28 @@ def test_stream_early_close_and_cancel():
     late = by_id["late"]
     assert late.finish_reason == "cancelled" and late.tokens == plain[4][:len(late.tokens)]
     assert 0 < len(late.tokens) < N_NEW
+
+
+def test_constrained_requests_run_plain_in_a_speculative_engine():
+    """Constrained requests in a speculative engine run after the speculative ones as plain
+    masked decoding (the engine's constrained path): every request equals generate() with one
+    constraint per row (free rows: plain greedy; the statuses are generate's, whose validity
+    test_engine_structured checks), a bad grammar fails alone, a waiting constrained request
+    can be cancelled, and the speculative requests still verify drafts."""
+    import test_engine_structured as tes
+    ref_tokens, ref_status = tes.reference()
+    eng = Engine(params(), speculative="dspark", tokenizer=tes.tokenizer(),
+                 verify_widths=(3, gamma("dspark") + 1), **{**SHAPES, **spec_kwargs("dspark")})
+    reqs = tes._requests() + [Request(tes.prompts()[0], max_new_tokens=tes.N,
+                                      constraint=di.Regex("(ab"), request_id="bad"),
+                              Request(tes.prompts()[1], max_new_tokens=tes.N,
+                                      constraint=di.Regex("[0-9]+"), request_id="gone")]
+    eng.cancel("gone")                # cancelled while waiting for the constrained phase
+    outs = eng.generate(reqs)
+    assert outs[5].finish_reason == "cancelled" and outs[5].tokens == []
+    for out, ref, st in zip(outs, ref_tokens, ref_status):
+        assert out.tokens == ref, (out.request_id, out.tokens, ref)
+        assert out.constraint_status == st
+    assert [o.constraint_status for o in outs[:4]] == ["complete", "complete", None, "complete"]
+    assert outs[4].finish_reason == "error" and outs[4].error.startswith("constraint:")
+    assert eng.last_run.spec_row_steps > 0 and outs[2].metrics.verified

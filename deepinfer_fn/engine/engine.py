@@ -82,9 +82,11 @@ sliding_window for MTP; default R = 128 = both windows of the default model) or 
 (replay_tokens=None); with a smaller R the drafter sees a truncated context (weaker drafts,
 still lossless w.r.t. the target). A preempted request resumes by re-prefilling prompt +
 generated[:-1] (no sampling) with generated[-1] as its anchor and its step counter kept, so it
-continues exactly as if never preempted. Constrained requests (Request(constraint=...)) are
-NOT supported by a speculative engine yet: they finish alone with finish_reason "error" and a
-message saying so (run them in a plain Engine). Metrics: RunMetrics.mean_verify_len,
+continues exactly as if never preempted. Constrained requests (Request(constraint=...)) in a
+speculative engine are not speculated: they wait until the speculative requests of the call are
+done, then run as plain masked decoding (the constrained path above; one-token decode rows, the
+engine's plain sub-step programs, compiled on first use). Their tokens are the plain engine's;
+only their latency suffers (no overlap with the speculative phase). Metrics: RunMetrics.mean_verify_len,
 acceptance_rate, tau (tokens committed per row per verify step, bonus included),
 all_accepted_tokens_per_s (row-steps x (1 + γ) / wall, spec §4.2's "1 + γ" figure) next to the
 real throughput_tokens_per_s; RequestMetrics.verified / accepted per step.
@@ -324,6 +326,7 @@ class Engine:
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
         self.speculative, self.drafter, self.gamma = speculative, drafter, gamma
+        self._spec_on = bool(gamma)         # False while a speculative engine runs constrained
         self.verify_len = verify_len
         self._sched_args, self._widths = {}, {}
         if gamma:
@@ -427,20 +430,19 @@ class Engine:
         t0 = time.perf_counter()
         base = dict(steps=0, decode_rows=0, pre=sched.preemptions, hit=sched.cache_hit_tokens,
                     prefill=sched.prefill_tokens, spec=self._spec_counters())
-        seqs, emitted, pending_events = [], {}, []
+        seqs, emitted, pending_events, deferred = [], {}, [], []
         for i, r in enumerate(reqs):
             prompt, err = validate(r, self.cfg.vocab_size, self.max_len,
                                    self.pages.capacity * self.page_size)
             seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
-            if err is None and r.constraint is not None and self.gamma:
-                err = ("constraint: constrained requests are not supported by a speculative "
-                       "engine yet (Engine(speculative=...)); run them in a plain Engine")
-            elif err is None and r.constraint is not None:
+            if err is None and r.constraint is not None:
                 seq.matcher, err = self._compile(r.constraint)
             seqs.append(seq)
             if err is not None:
                 seq.finish = "error"
                 pending_events.append(StreamEvent(r.request_id, i, [], self._output(seq, err)))
+            elif seq.matcher is not None and self.gamma:
+                deferred.append(seq)        # constrained: a plain phase after the speculative one
             else:
                 sched.add(seq)
         bar = None
@@ -455,8 +457,13 @@ class Engine:
                     bar.update(1)
                 yield ev
             stall = 0
-            while sched.has_work() or pending is not None:
-                self._apply_cancels()
+            while sched.has_work() or pending is not None or deferred:
+                if not sched.has_work() and pending is None:    # the constrained phase
+                    self._set_spec_mode(False)
+                    for seq in deferred:
+                        sched.add(seq)
+                    deferred = []
+                self._apply_cancels(deferred)
                 plan = sched.schedule()
                 outs = self._dispatch(plan, watcher) if plan else None
                 if outs is not None:
@@ -489,6 +496,7 @@ class Engine:
             if sched.has_work():
                 sched.cancel({s.req.request_id for s in list(sched.waiting) + sched.running})
                 sched.finished.clear()
+            self._set_spec_mode(True)
             if bar is not None:
                 bar.close()
             idle = watcher.idle() if watcher else (float("nan"), 0)
@@ -497,11 +505,22 @@ class Engine:
             self._record_run(seqs, t0, base, idle)
 
     # ------------------------------------------------------------------ internals
-    def _apply_cancels(self):
+    def _apply_cancels(self, deferred=()):
         with self._cancel_lock:
             ids, self._cancelled = self._cancelled, set()
         if ids:
             self.scheduler.cancel(ids)
+            for seq in [s for s in deferred if s.req.request_id in ids]:
+                deferred.remove(seq)
+                seq.finish = "cancelled"
+                self.scheduler.finished.append(seq)
+
+    def _set_spec_mode(self, on: bool) -> None:
+        """Speculative engines: decode rows verify drafts (on) or are plain one-token steps
+        (off: the constrained phase; nothing else is running then)."""
+        self._spec_on = bool(on and self.gamma)
+        self.scheduler.spec_width = self.gamma + 1 if self._spec_on else 0
+        self.scheduler.decode_cost = self.scheduler.spec_width or 1
 
     def _compile(self, constraint):
         """(Matcher, None) or (None, error message) for a request's constraint (host, at
@@ -576,13 +595,13 @@ class Engine:
             calls.append((plan.decode, sched.pack(plan.decode, *shape), True))
         outs, t_issue = [], None
         for rows, packed, is_decode in calls:
-            if self.gamma and is_decode:
+            if self._spec_on and is_decode:
                 self.state, out = spec_decode_packed(
                     self.params, self.drafter, self.state, packed,
                     self._sched_args.get(packed.shape[0]), method=self.speculative,
                     k=self.gamma, widths=self._widths[packed.shape[0]])
                 outs.append([rows, out, None, None, "spec"])
-            elif self.gamma:
+            elif self._spec_on:
                 self.state, out = spec_prefill_packed(self.params, self.drafter, self.state,
                                                       packed, method=self.speculative)
                 outs.append([rows, out, None, None])

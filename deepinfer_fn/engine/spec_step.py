@@ -153,12 +153,12 @@ def schedule_args(drafter, verify_len: str, verify_cost, batch: int, widths=None
         return ((drafter.sts_temperatures.astype(jnp.float32), jnp.ones((g + 1,), jnp.float32),
                  jnp.float32(0), jnp.float32(0), jnp.bool_(False)),
                 tuple(widths) if widths else (g + 1,))
-    (temps, secs, overhead, eps), auto = _dspark_schedule_args(drafter, verify_len,
-                                                               verify_cost, batch)
+    (temps, secs, overhead, eps, dynamic), auto = _dspark_schedule_args(
+        drafter, verify_len, verify_cost, batch)
     if widths and tuple(widths) != tuple(auto):
         raw = verify_cost.step_seconds_for(batch)
         secs = jnp.asarray(bucketed_seconds(raw, widths).astype("float32"))
-    return (temps, secs, overhead, eps, jnp.bool_(True)), tuple(widths or auto)
+    return (temps, secs, overhead, eps, dynamic), tuple(widths or auto)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "k", "widths"), donate_argnums=(2,))
