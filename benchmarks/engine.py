@@ -62,6 +62,25 @@ import deepinfer_fn as di
 from deepinfer_fn.engine import Engine, Request
 
 
+def add_workload_args(ap, *, prefill_shapes: str, decode_buckets: str) -> None:
+    """The workload and engine-shape flags `workload` and the engine set-up read (shared with
+    benchmarks/engine_host.py)."""
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--systems", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=2048)
+    ap.add_argument("--suffix-min", type=int, default=32)
+    ap.add_argument("--suffix-max", type=int, default=160)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=4096, help="max_tokens_per_step")
+    ap.add_argument("--prefill-shapes", default=prefill_shapes,
+                    help="rows x width prefill sub-batch shapes")
+    ap.add_argument("--decode-buckets", default=decode_buckets)
+    ap.add_argument("--replay", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def workload(args, vocab: int):
     rng = np.random.default_rng(args.seed)
     systems = [rng.integers(2, vocab, args.system_len).tolist() for _ in range(args.systems)]
@@ -117,20 +136,7 @@ def _write(args, out: dict) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="CPU: embedded default model, small workload")
-    ap.add_argument("--preset", default="mini")
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--systems", type=int, default=4)
-    ap.add_argument("--system-len", type=int, default=2048)
-    ap.add_argument("--suffix-min", type=int, default=32)
-    ap.add_argument("--suffix-max", type=int, default=160)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=4096, help="max_tokens_per_step")
-    ap.add_argument("--prefill-shapes", default="16x256,8x512",
-                    help="rows x width prefill sub-batch shapes")
-    ap.add_argument("--decode-buckets", default="16,64")
-    ap.add_argument("--replay", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap, prefill_shapes="16x256,8x512", decode_buckets="16,64")
     ap.add_argument("--runs", default="no_cache,cache,cache_sync")
     ap.add_argument("--out", default="benchmarks/results/engine.json")
     # speculative arms (module docstring)

@@ -60,7 +60,7 @@ import numpy as np
 import deepinfer_fn as di
 from deepinfer_fn.engine import Engine
 from deepinfer_fn.engine import engine as engine_mod
-from benchmarks.engine import workload  # the same request mix as the engine benchmark
+from benchmarks.engine import add_workload_args, workload  # the engine benchmark's request mix
 from deepinfer_fn.engine.step import unpack
 from deepinfer_fn.params import Params, is_spec, leaf_dtype, param_specs
 
@@ -366,19 +366,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="host", choices=("host", "overlap", "dispatch"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--preset", default="mini")
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--systems", type=int, default=4)
-    ap.add_argument("--system-len", type=int, default=2048)
-    ap.add_argument("--suffix-min", type=int, default=32)
-    ap.add_argument("--suffix-max", type=int, default=160)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=4096)
-    ap.add_argument("--prefill-shapes", default="8x512")
-    ap.add_argument("--decode-buckets", default="64")
-    ap.add_argument("--replay", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap, prefill_shapes="8x512", decode_buckets="64")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="print the top N cProfile rows")
     ap.add_argument("--device-ms", type=float, default=10.0)

@@ -200,24 +200,41 @@ def check_stop_tokens(stop_tokens, cfg) -> tuple[int, ...]:
     return stop_tokens
 
 
-def prefill(params: Params, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
-            chunk: int):
-    """Chunked prefill of right-padded prompts; returns (last-token logits [B,V], state)."""
-    B, T = tokens.shape
+def _prefill_chunks(tokens: np.ndarray, lengths: np.ndarray, chunk: int):
+    """Chunked prefill of right-padded prompts tokens [B,T]: yields (ids int32 [B,c] on the
+    device, next ids [B,c] numpy (the tokens one position later, padding past T), n_new [B],
+    ends_here bool [B] numpy (the row's prompt ends in this chunk)) while some row still has
+    tokens. The chunk width c is min(chunk, T rounded up to 16)."""
+    T = tokens.shape[1]
     chunk = max(1, min(chunk, -(-T // 16) * 16))
     padded = -(-T // chunk) * chunk
-    tokens = np.pad(tokens, ((0, 0), (0, padded - T)))
-    last_logits = None
+    tokens = np.pad(tokens, ((0, 0), (0, padded + 1 - T)))
     for off in range(0, padded, chunk):
         n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
         if not n_new.any():
-            break
-        logits, state = _prefill_chunk(params, state, jnp.asarray(tokens[:, off:off + chunk]),
-                                       jnp.asarray(n_new))
-        ends_here = jnp.asarray((lengths > off) & (lengths <= off + chunk))
-        last_logits = logits if last_logits is None else jnp.where(ends_here[:, None], logits,
-                                                                   last_logits)
-    return last_logits, state
+            return
+        yield (jnp.asarray(tokens[:, off:off + chunk]), tokens[:, off + 1:off + chunk + 1], n_new,
+               (lengths > off) & (lengths <= off + chunk))
+
+
+def _keep_last(prev, new, ends_here):
+    """Per row, `new` where the row's prompt ends in this chunk, else `prev` (pytrees of
+    arrays [B, ...]; prev None: the first chunk)."""
+    if prev is None:
+        return new
+    ends_here = jnp.asarray(ends_here)
+    pick = lambda n, p: jnp.where(ends_here.reshape((-1,) + (1,) * (n.ndim - 1)), n, p)
+    return jax.tree.map(pick, new, prev)
+
+
+def prefill(params: Params, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
+            chunk: int):
+    """Chunked prefill of right-padded prompts; returns (last-token logits [B,V], state)."""
+    last = None
+    for ids, _, n_new, ends_here in _prefill_chunks(tokens, lengths, chunk):
+        logits, state = _prefill_chunk(params, state, ids, jnp.asarray(n_new))
+        last = _keep_last(last, logits, ends_here)
+    return last, state
 
 
 def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
@@ -405,26 +422,14 @@ def _spec_prefill(params, state, mstate, tokens, lengths, chunk):
     """`prefill` for the speculative path: also advances the MTP state to lengths - 1 (the
     last prompt position waits for the first generated token) and returns the backbone
     streams of each row's last prompt token [B,n,D]."""
-    B, T = tokens.shape
-    chunk = max(1, min(chunk, -(-T // 16) * 16))
-    padded = -(-T // chunk) * chunk
-    tokens = np.pad(tokens, ((0, 0), (0, padded + 1 - T)))
-    last_logits = last_streams = None
-    for off in range(0, padded, chunk):
-        n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
-        if not n_new.any():
-            break
-        n_mtp = np.clip(lengths - 1 - off, 0, chunk).astype(np.int32)
+    last = None
+    for ids, next_ids, n_new, ends_here in _prefill_chunks(tokens, lengths, chunk):
+        n_mtp = n_new - ends_here.astype(np.int32)   # positions whose next token is known
         logits, state, mstate, streams = _spec_prefill_chunk(
-            params, state, mstate, jnp.asarray(tokens[:, off:off + chunk]),
-            jnp.asarray(tokens[:, off + 1:off + chunk + 1]), jnp.asarray(n_new), jnp.asarray(n_mtp))
-        ends_here = jnp.asarray((lengths > off) & (lengths <= off + chunk))
-        if last_logits is None:
-            last_logits, last_streams = logits, streams
-        else:
-            last_logits = jnp.where(ends_here[:, None], logits, last_logits)
-            last_streams = jnp.where(ends_here[:, None, None], streams, last_streams)
-    return last_logits, last_streams, state, mstate
+            params, state, mstate, ids, jnp.asarray(next_ids), jnp.asarray(n_new),
+            jnp.asarray(n_mtp))
+        last = _keep_last(last, (logits, streams), ends_here)
+    return last[0], last[1], state, mstate
 
 
 def _spec_first_token(logits, sampling, lengths, done, masks, session, pad_id, stops, *,
@@ -656,22 +661,12 @@ def _dspark_prefill_chunk(params, drafter, state, dstate, chunk, n_new):
 
 def _dspark_prefill(params, drafter, state, dstate, tokens, lengths, chunk):
     """`prefill` for the DSpark path: target state and draft context both reach lengths."""
-    B, T = tokens.shape
-    chunk = max(1, min(chunk, -(-T // 16) * 16))
-    padded = -(-T // chunk) * chunk
-    tokens = np.pad(tokens, ((0, 0), (0, padded - T)))
-    last_logits = None
-    for off in range(0, padded, chunk):
-        n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
-        if not n_new.any():
-            break
-        logits, state, dstate = _dspark_prefill_chunk(
-            params, drafter, state, dstate, jnp.asarray(tokens[:, off:off + chunk]),
-            jnp.asarray(n_new))
-        ends_here = jnp.asarray((lengths > off) & (lengths <= off + chunk))
-        last_logits = logits if last_logits is None else jnp.where(ends_here[:, None], logits,
-                                                                   last_logits)
-    return last_logits, state, dstate
+    last = None
+    for ids, _, n_new, ends_here in _prefill_chunks(tokens, lengths, chunk):
+        logits, state, dstate = _dspark_prefill_chunk(params, drafter, state, dstate, ids,
+                                                      jnp.asarray(n_new))
+        last = _keep_last(last, logits, ends_here)
+    return last, state, dstate
 
 
 def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):

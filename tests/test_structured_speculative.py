@@ -252,19 +252,24 @@ def test_sampled_speculative_outputs_are_valid(model, tok, prompts, kind):
     _check_bookkeeping(out)
 
 
-@pytest.mark.heavy   # its own compile (~1 min on 2 cores); DSpark's mixed-batch test stays default
-def test_mixed_batch_free_rows_are_unchanged(model, tok, prompts):
+@pytest.mark.parametrize("method", [
+    pytest.param("mtp", marks=pytest.mark.heavy),   # its own compile (~1 min on 2 cores)
+    "dspark"])
+def test_mixed_batch_free_rows_are_unchanged(model, tok, prompts, method, request):
     """Free rows (None) of a constrained speculative batch, greedy and sampled, are exactly what
-    an unconstrained speculative call gives them; the constrained rows are valid."""
-    kw = dict(temperature=[0.0, 1.0, 1.0, 0.0], return_logprobs=True)
-    mixed = _spec(model, tok, prompts, [Regex(REGEXES[0]), None, JsonSchema(SCHEMAS[1]), None],
-                  **kw)
-    free = di.generate(model, prompts, max_new_tokens=N, seed=SEEDS, speculative="mtp",
-                       num_draft_tokens=K, **kw)
+    an unconstrained speculative call gives them (tokens, accepted / verified counts,
+    logprobs); the constrained rows are valid."""
+    spec_kw = (dict(speculative="mtp", num_draft_tokens=K) if method == "mtp" else
+               dict(speculative="dspark", drafter=request.getfixturevalue("drafter")))
+    kw = dict(temperature=[0.0, 1.0, 1.0, 0.0], return_logprobs=True, **spec_kw)
+    mixed = di.generate(model, prompts, max_new_tokens=N, seed=SEEDS, tokenizer=tok,
+                        constraint=[Regex(REGEXES[0]), None, JsonSchema(SCHEMAS[1]), None], **kw)
+    free = di.generate(model, prompts, max_new_tokens=N, seed=SEEDS, **kw)
     assert mixed.constraint_status == ("complete", None, "complete", None)
     _assert_same(mixed, free, rows=(1, 3))
     for b in (1, 3):
         np.testing.assert_array_equal(np.asarray(mixed.accepted[b]), np.asarray(free.accepted[b]))
+        np.testing.assert_array_equal(np.asarray(mixed.verified[b]), np.asarray(free.verified[b]))
         np.testing.assert_allclose(np.asarray(mixed.logprobs[b]), np.asarray(free.logprobs[b]),
                                    atol=1e-5)
     rows = _texts(mixed, tok)
@@ -437,24 +442,6 @@ def test_dspark_greedy_equals_plain_and_is_valid(dspark_greedy_runs, tok, kind):
     assert sp.finish_reasons() == plain.finish_reasons()
     _check_bookkeeping(sp)
     assert np.asarray(sp.accepted).max() > 0   # grammar-forced drafts do get accepted
-
-
-def test_dspark_mixed_batch_free_rows_are_unchanged(model, tok, prompts, drafter):
-    kw = dict(temperature=[0.0, 1.0, 1.0, 0.0], return_logprobs=True)
-    mixed = _dspark(model, tok, prompts, [Regex(REGEXES[0]), None, JsonSchema(SCHEMAS[1]), None],
-                    drafter, **kw)
-    free = di.generate(model, prompts, max_new_tokens=N, seed=SEEDS, speculative="dspark",
-                       drafter=drafter, **kw)
-    assert mixed.constraint_status == ("complete", None, "complete", None)
-    _assert_same(mixed, free, rows=(1, 3))
-    for b in (1, 3):
-        np.testing.assert_array_equal(np.asarray(mixed.accepted[b]), np.asarray(free.accepted[b]))
-        np.testing.assert_array_equal(np.asarray(mixed.verified[b]), np.asarray(free.verified[b]))
-        np.testing.assert_allclose(np.asarray(mixed.logprobs[b]), np.asarray(free.logprobs[b]),
-                                   atol=1e-5)
-    rows = _texts(mixed, tok)
-    assert re.fullmatch(REGEXES[0], rows[0][0])
-    jsonschema.validate(json.loads(rows[2][0]), SCHEMAS[1])
 
 
 def test_dspark_invalid_constraint_fails_its_row_alone(model, tok, prompts, drafter):
