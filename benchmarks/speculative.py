@@ -259,7 +259,7 @@ def plot(result, path):
     print(f"wrote {path}")
 
 
-def remeasure(params, cost, points, context: int, quick: bool):
+def remeasure(params, cost, points, context: int, quick: bool, in_loop: int):
     """`cost` with the raw medians at `points` ("B:S" strings) measured again on this device
     (`schedule.measure_verify_times`) and the grid re-fitted."""
     if cost.kind != "grid" or cost.raw is None:
@@ -272,7 +272,7 @@ def remeasure(params, cost, points, context: int, quick: bool):
                              f"(batches {cost.points}, columns 1..{cost.gamma + 1})")
         sec = schedule.measure_verify_times(params, [b], [s_], context=context,
                                             repeats=3 if quick else 20, warmup=1 if quick else 3,
-                                            slack=cost.gamma, verbose=True)
+                                            slack=cost.gamma, in_loop=in_loop, verbose=True)
         raw[cost.points.index(b), s_ - 1] = sec[0, 0]
     meta = dict(cost.meta, remeasured=list(points),
                 remeasured_device=str(jax.devices()[0].device_kind))
@@ -291,6 +291,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--cost-batches", type=int, nargs="+", default=None)
     ap.add_argument("--cost-file", default=None, help="load this profile instead of measuring")
+    ap.add_argument("--cost-loop", type=int, default=20, metavar="N",
+                    help="time the verify forward inside a device loop of N forwards (what "
+                         "generate's decode loop pays); 0: one device call per forward")
     ap.add_argument("--eps", type=float, default=0.0, help="scheduler hysteresis")
     ap.add_argument("--drafter", choices=("auto", "dspark", "mtp"), default="auto")
     ap.add_argument("--calibrate", choices=("auto", "off"), default="auto",
@@ -362,7 +365,11 @@ def main(argv=None):
     if args.cost_file:
         cost = schedule.VerifyCost.load(args.cost_file)
         if args.remeasure:
-            cost = remeasure(params, cost, args.remeasure, prompt_len + new_tokens // 2, quick)
+            if int(cost.meta.get("in_loop", 0)) != args.cost_loop:
+                raise SystemExit(f"--remeasure: the loaded profile was measured with in_loop="
+                                 f"{cost.meta.get('in_loop', 0)}, not --cost-loop {args.cost_loop}")
+            cost = remeasure(params, cost, args.remeasure, prompt_len + new_tokens // 2, quick,
+                             args.cost_loop)
             cost_path = os.path.join(os.path.dirname(os.path.abspath(out_json)),
                                      f"verify_cost_{dev}{'_quick' if quick else ''}.json")
             cost.save(cost_path)
@@ -374,11 +381,14 @@ def main(argv=None):
         cost = schedule.measure_verify_cost(params, cost_batches, gamma,
                                             context=prompt_len + new_tokens // 2,
                                             repeats=3 if quick else 20, warmup=1 if quick else 3,
-                                            verbose=True)
+                                            in_loop=args.cost_loop, verbose=True)
         cost_path = os.path.join(os.path.dirname(os.path.abspath(out_json)),
                                  f"verify_cost_{dev}{'_quick' if quick else ''}.json")
         cost.save(cost_path)
         print(f"verify cost profile ({time.perf_counter() - t0:.1f} s incl. compiles) -> {cost_path}")
+    if not int(cost.meta.get("in_loop", 0)):
+        print("NOTE: this profile times one device call per verify forward (dispatch and sync "
+              "included); generate's decode loop pays the in-loop cost (--cost-loop)")
     for b in cost.points:
         print(f"  B={b:4d}: " + " ".join(f"{s * 1e3:7.3f}" for s in cost.step_seconds_for(b)) + " ms")
     knee = cost.knee_tokens()

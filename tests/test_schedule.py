@@ -626,3 +626,40 @@ def test_column_buckets_and_bucketed_run():
             np.testing.assert_array_equal(tok, np.where(np.arange(K) < width, np.asarray(ids) * 3, 0))
     with pytest.raises(ValueError, match="ending at K"):
         sch.run_with_columns(fn, ids, 3, (2, 4))
+
+
+@pytest.mark.heavy
+def test_measure_verify_times_in_a_device_loop():
+    """The profile measurement: shapes and positivity for both modes, and the looped program
+    really runs n full verify forwards from the same state (rolled back after each): its
+    argmax checksum is n x the single forward's, and the state it returns is unchanged."""
+    import deepinfer_fn as di
+    from deepinfer_fn.generate import prefill
+    from deepinfer_fn.state import init_state
+
+    params = di.init_params(di.ModelConfig.preset("tiny", num_mtp_layers=0), jax.random.key(0))
+    cfg = params.config
+    sec = sch.measure_verify_times(params, [2], [1, 3], context=12, repeats=2, warmup=1,
+                                   in_loop=3)
+    assert sec.shape == (1, 2) and np.all(np.isfinite(sec)) and np.all(sec > 0)
+    cost = sch.measure_verify_cost(params, [2], 1, context=12, repeats=1, warmup=0, in_loop=0)
+    assert cost.meta["in_loop"] == 0 and cost.seconds.shape == (1, 2)
+
+    B, S, n = 2, 3, 4
+    state = init_state(cfg, B, 32, window_slots=cfg.sliding_window + S)
+    prompt = np.asarray(jax.random.randint(jax.random.key(1), (B, 12), 2, cfg.vocab_size))
+    _, state = prefill(params, state, prompt, np.full((B,), 12, np.int32), 12)
+    ids = jax.random.randint(jax.random.key(2), (B, S), 2, cfg.vocab_size)
+    n_new = jnp.full((B,), S, jnp.int32)
+    one = jax.jit(sch.verify_forward_program(1, looped=False))
+    loop = jax.jit(sch.verify_forward_program(n, looped=True))
+    single, after_one = one(params, state, ids, n_new, state.lengths)
+    total, after_loop = loop(params, state, ids, n_new, state.lengths)
+    assert int(total) == n * int(single) != 0
+    np.testing.assert_array_equal(after_loop.lengths, state.lengths)
+    np.testing.assert_array_equal(after_one.lengths, state.lengths + S)
+    # what the forwards wrote is the same whether it ran once or n times
+    for a, b in zip(jax.tree.leaves(after_loop), jax.tree.leaves(after_one)):
+        if a.shape != state.lengths.shape:
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                       rtol=1e-5, atol=1e-5)
