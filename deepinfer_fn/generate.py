@@ -265,7 +265,8 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     spec/dspark.md §5.2). The output carries per-step acceptance counts (`accepted`,
     `verified`, `acceptance()`). With `constraint`, the drafts are drawn under the grammar
     masks and verified against the masked target (still lossless: greedy constrained rows give
-    the tokens of plain greedy constrained decoding). Not on a sharded mesh yet.
+    the tokens of plain greedy constrained decoding). On a sharded mesh as plain decoding
+    (batch over dp x ep, padded; experts over ep).
 
     speculative="dspark": the DSpark drafter `drafter` (a `deepinfer_fn.speculative.DSpark`,
     e.g. `load_dspark(default_dspark_path(), params)` for the embedded default model) drafts
@@ -280,7 +281,9 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     statistics as "mtp"; the output also carries the confidence logits (`draft_confidence`).
     With `constraint`, the Markov pass draws each draft under the grammar mask after the
     drafts before it and the target is verified masked, as for "mtp" (greedy constrained
-    rows give the tokens of plain greedy constrained decoding). Not on a sharded mesh yet.
+    rows give the tokens of plain greedy constrained decoding). On a sharded mesh as "mtp";
+    the drafter is replicated on every device, and a dynamic verify length reads `verify_cost`
+    at the rows per device.
     """
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
@@ -325,11 +328,37 @@ def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
                                 block=max(1, int(block)), **kwargs)
 
 
+def _mesh_rows(params, tokens, lengths, temperature, top_k, top_p, min_p, seed):
+    """(mesh or None, tokens [Bp, T], lengths [Bp], SamplingParams [Bp]). On a sharded mesh the
+    batch is padded to a multiple of the mesh's batch shards with 1-token dummy rows (sampling
+    arguments copied from row 0); callers mark rows >= B done and slice them off."""
+    from deepinfer_fn.api import mesh_context, pad_batch
+    mesh, _ = mesh_context(params)
+    if mesh is not None:
+        from shardings.mesh import batch_shards
+        shards = batch_shards(mesh)
+        tokens, lengths = pad_batch(tokens, shards), pad_batch(lengths, shards, fill=1)
+        per_row = lambda v: (v if v is None or np.ndim(v) == 0
+                             else pad_batch(np.asarray(v), shards, np.asarray(v)[0]))
+        temperature, top_k, top_p, min_p, seed = map(per_row, (temperature, top_k, top_p, min_p,
+                                                               seed))
+    sampling = sampling_params(tokens.shape[0], temperature, top_k, top_p, min_p, seed)
+    return mesh, tokens, lengths, sampling
+
+
+def _on_mesh(state, mesh):
+    """A decode state (target's, MTP's or DSpark's) split over the mesh's batch axes."""
+    if mesh is None:
+        return state
+    from shardings.mesh import state_shardings
+    return jax.device_put(state, state_shardings(state, mesh))
+
+
 def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperature=0.0,
                      top_k=None, top_p=None, min_p=None, seed=0, stop_tokens=(),
                      return_logprobs=False, pad_id=None, prefill_chunk=512, max_len=None,
                      window_slots=None, constraint=None, tokenizer=None):
-    from deepinfer_fn.api import mesh_context, pad_batch
+    from deepinfer_fn.api import mesh_context
     cfg = params.config
     B = tokens.shape[0]
     constrained = None
@@ -337,20 +366,13 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
         constrained = structured.ConstrainedBatch.build(
             constraint, B, structured.default_tokenizer() if tokenizer is None else tokenizer,
             cfg.vocab_size)
-    mesh, _ = mesh_context(params)
-    if mesh is not None:  # pad the batch to the mesh's batch shards with 1-token dummy rows
-        from shardings.mesh import batch_shards, state_shardings
-        shards = batch_shards(mesh)
-        tokens, lengths = pad_batch(tokens, shards), pad_batch(lengths, shards, fill=1)
-        per_row = lambda v: v if np.ndim(v) == 0 or v is None else pad_batch(np.asarray(v), shards, np.asarray(v)[0])
-        temperature, top_k, top_p, min_p, seed = map(per_row, (temperature, top_k, top_p, min_p, seed))
+    mesh, tokens, lengths, sampling = _mesh_rows(params, tokens, lengths, temperature, top_k,
+                                                 top_p, min_p, seed)
     Bp = tokens.shape[0]
-    sampling = sampling_params(Bp, temperature, top_k, top_p, min_p, seed)
     need = int(lengths.max()) + max_new_tokens
     capacity = max_len or min(_bucket(need), cfg.max_position_embeddings)
-    state = init_state(cfg, Bp, capacity, window_slots=window_slots, dtype=params.dtype)
-    if mesh is not None:
-        state = jax.device_put(state, state_shardings(state, mesh))
+    state = _on_mesh(init_state(cfg, Bp, capacity, window_slots=window_slots, dtype=params.dtype),
+                     mesh)
     with mesh_context(params)[1]:
         logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
@@ -606,43 +628,61 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
         raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
     if not params["mtp"]:
         raise ValueError("speculative='mtp' needs params with an MTP block (these have none)")
-    if mesh_context(params)[0] is not None:
-        raise NotImplementedError("speculative decoding on a sharded mesh is not supported yet")
     k = int(k)
     B = tokens.shape[0]
-    sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
     constrained = None
     if constraint is not None:  # compiled per request on the host; a bad grammar fails its row
         constrained = structured.ConstrainedBatch.build(
             constraint, B, structured.default_tokenizer() if tokenizer is None else tokenizer,
             cfg.vocab_size)
+    mesh, tokens, lengths, sampling = _mesh_rows(params, tokens, lengths, temperature, top_k,
+                                                 top_p, min_p, seed)
+    Bp = tokens.shape[0]
     capacity = max_len or min(_bucket(int(lengths.max()) + max_new_tokens + k + 1),
                               cfg.max_position_embeddings)
     # Rejected drafts must not overwrite live ring entries: sliding_window + k slots.
     slots = max(window_slots or 0, cfg.sliding_window + k)
-    state = init_state(cfg, B, capacity, window_slots=slots, dtype=params.dtype)
-    mstate = spec.init_mtp_state(cfg, B, capacity, window_slots=slots, dtype=params.dtype)
-    logits, last_streams, state, mstate = _spec_prefill(params, state, mstate, tokens, lengths,
-                                                        prefill_chunk)
+    state = _on_mesh(init_state(cfg, Bp, capacity, window_slots=slots, dtype=params.dtype), mesh)
+    mstate = _on_mesh(spec.init_mtp_state(cfg, Bp, capacity, window_slots=slots,
+                                          dtype=params.dtype), mesh)
+    with mesh_context(params)[1]:
+        logits, last_streams, state, mstate = _spec_prefill(params, state, mstate, tokens,
+                                                            lengths, prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
+    done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     kw = dict(n=max_new_tokens, k=k, stop_tokens=stop_tokens)
     if constrained is None:
-        out, logp, count, stopped, acc, ver = _spec_decode(
-            params, state, mstate, logits, last_streams, jnp.zeros((B,), bool), sampling, pad,
-            **kw)
-        return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
-                              accepted=acc, verified=ver)
+        with mesh_context(params)[1]:
+            out, logp, count, stopped, acc, ver = _spec_decode(
+                params, state, mstate, logits, last_streams, done, sampling, pad, **kw)
+        return _first_rows(GenerateOutput(out, count, stopped,
+                                          logp if return_logprobs else None,
+                                          accepted=acc, verified=ver), B)
+    constrained.pad_rows(Bp)
     masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
     sid = structured.register(constrained)
     try:
-        out, logp, count, stopped, acc, ver = _spec_decode(
-            params, state, mstate, logits, last_streams, jnp.asarray(failed), sampling, pad,
-            jnp.asarray(masks), jnp.int32(sid), **kw)
+        with mesh_context(params)[1]:
+            out, logp, count, stopped, acc, ver = _spec_decode(
+                params, state, mstate, logits, last_streams, done | jnp.asarray(failed),
+                sampling, pad, jnp.asarray(masks), jnp.int32(sid), **kw)
         stopped = np.asarray(stopped) | failed   # waits for the loop: the matchers are final
     finally:
         structured.unregister(sid)
-    return GenerateOutput(out, count, jnp.asarray(stopped), logp if return_logprobs else None,
-                          constrained.statuses(), accepted=acc, verified=ver)
+    return _first_rows(GenerateOutput(out, count, jnp.asarray(stopped),
+                                      logp if return_logprobs else None, constrained.statuses(),
+                                      accepted=acc, verified=ver), B)
+
+
+def _first_rows(out: GenerateOutput, B: int) -> GenerateOutput:
+    """The output's first B rows (drops mesh padding rows; the identity without a mesh)."""
+    if out.tokens.shape[0] == B:
+        return out
+    rows = lambda x: None if x is None else x[:B]
+    status = None if out.constraint_status is None else tuple(out.constraint_status[:B])
+    return GenerateOutput(rows(out.tokens), rows(out.lengths), rows(out.stopped),
+                          rows(out.logprobs), status, rows(out.accepted), rows(out.verified),
+                          rows(out.draft_confidence))
 
 
 # --- speculative decoding (DSpark drafter) -----------------------------------------------
@@ -836,41 +876,56 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
                          f"§1.1); leave num_draft_tokens unset (verify_len picks how many to verify)")
     if verify_len not in ("fixed", "dynamic", "random"):
         raise ValueError(f"verify_len must be 'fixed', 'dynamic' or 'random', got {verify_len!r}")
-    if mesh_context(params)[0] is not None:
-        raise NotImplementedError("speculative decoding on a sharded mesh is not supported yet")
     B = tokens.shape[0]
-    sched, buckets = _dspark_schedule_args(drafter, verify_len, verify_cost, B)
-    sampling = sampling_params(B, temperature, top_k, top_p, min_p, seed)
     constrained = None
     if constraint is not None:  # compiled per request on the host; a bad grammar fails its row
         constrained = structured.ConstrainedBatch.build(
             constraint, B, structured.default_tokenizer() if tokenizer is None else tokenizer,
             cfg.vocab_size)
+    mesh, tokens, lengths, sampling = _mesh_rows(params, tokens, lengths, temperature, top_k,
+                                                 top_p, min_p, seed)
+    Bp = tokens.shape[0]
+    # the verify forward of a sharded run processes Bp / (batch shards) rows per device
+    per_device = Bp if mesh is None else Bp // _batch_shards(mesh)
+    sched, buckets = _dspark_schedule_args(drafter, verify_len, verify_cost, per_device)
     capacity = max_len or min(_bucket(int(lengths.max()) + max_new_tokens + gamma + 1),
                               cfg.max_position_embeddings)
     slots = max(window_slots or 0, cfg.sliding_window + gamma)   # rollback slack (state.py)
-    state = init_state(cfg, B, capacity, window_slots=slots, dtype=params.dtype)
-    dstate = init_draft_state(cfg, drafter.config, B, capacity, dtype=params.dtype)
-    logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
-                                            prefill_chunk)
+    state = _on_mesh(init_state(cfg, Bp, capacity, window_slots=slots, dtype=params.dtype), mesh)
+    dstate = _on_mesh(init_draft_state(cfg, drafter.config, Bp, capacity, dtype=params.dtype),
+                      mesh)
+    if mesh is not None:   # the drafter is small: a full copy on every device
+        drafter = jax.device_put(drafter, jax.sharding.NamedSharding(mesh,
+                                                                     jax.sharding.PartitionSpec()))
+    with mesh_context(params)[1]:
+        logits, state, dstate = _dspark_prefill(params, drafter, state, dstate, tokens, lengths,
+                                                prefill_chunk)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
+    done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     mode = "scheduled" if sched is not None else verify_len
     kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=mode, column_buckets=buckets)
     if constrained is None:
-        out, logp, count, stopped, acc, ver, conf = _dspark_decode(
-            params, drafter, state, dstate, logits, jnp.zeros((B,), bool), sampling, pad, sched,
-            **kw)
-        return GenerateOutput(out, count, stopped, logp if return_logprobs else None,
-                              accepted=acc, verified=ver, draft_confidence=conf)
+        with mesh_context(params)[1]:
+            out, logp, count, stopped, acc, ver, conf = _dspark_decode(
+                params, drafter, state, dstate, logits, done, sampling, pad, sched, **kw)
+        return _first_rows(GenerateOutput(out, count, stopped, logp if return_logprobs else None,
+                                          accepted=acc, verified=ver, draft_confidence=conf), B)
+    constrained.pad_rows(Bp)
     masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
     sid = structured.register(constrained)
     try:
-        out, logp, count, stopped, acc, ver, conf = _dspark_decode(
-            params, drafter, state, dstate, logits, jnp.asarray(failed), sampling, pad, sched,
-            jnp.asarray(masks), jnp.int32(sid), **kw)
+        with mesh_context(params)[1]:
+            out, logp, count, stopped, acc, ver, conf = _dspark_decode(
+                params, drafter, state, dstate, logits, done | jnp.asarray(failed), sampling,
+                pad, sched, jnp.asarray(masks), jnp.int32(sid), **kw)
         stopped = np.asarray(stopped) | failed   # waits for the loop: the matchers are final
     finally:
         structured.unregister(sid)
-    return GenerateOutput(out, count, jnp.asarray(stopped), logp if return_logprobs else None,
-                          constrained.statuses(), accepted=acc, verified=ver,
-                          draft_confidence=conf)
+    return _first_rows(GenerateOutput(out, count, jnp.asarray(stopped),
+                                      logp if return_logprobs else None, constrained.statuses(),
+                                      accepted=acc, verified=ver, draft_confidence=conf), B)
+
+
+def _batch_shards(mesh) -> int:
+    from shardings.mesh import batch_shards
+    return batch_shards(mesh)

@@ -123,3 +123,35 @@ def test_two_processes_form_one_mesh(tmp_path, golden):
     assert logits.shape == (8,) + want.shape[1:]
     for r in range(4):
         assert rel_err(logits[2 * r:2 * r + 2], want) <= 1e-5
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_speculative_generate_on_mesh_equals_single_device(method, prompts):
+    """Speculative decoding on dp=2,ep=4 (3 rows padded to the mesh's 8 batch shards): the same
+    tokens, acceptance counts (and DSpark confidences) as on one device; greedy with every
+    draft verified, and sampled with a random verify length per row and step (DSpark)."""
+    from deepinfer_fn.speculative import dspark
+    tokens, lengths = prompts
+    base = golden_params("cfg_a_mtp" if method == "mtp" else "cfg_a")
+    runs = [dict(temperature=0.0)]
+    kw = dict(speculative=method, num_draft_tokens=2)
+    if method == "dspark":
+        dcfg = dspark.DSparkConfig.for_target(base.config, markov_rank=8, window=16)
+        kw = dict(speculative="dspark", drafter=dspark.init_dspark(base.config, dcfg,
+                                                                   jax.random.key(4)))
+        runs.append(dict(temperature=1.0, seed=[3, 4, 5], verify_len="random"))
+    sharded_params = shardings.shard_params(base, _mesh(dict(dp=2, ep=4)))
+    plain = np.asarray(di.generate(base, tokens, lengths=lengths, max_new_tokens=10).tokens)
+    for run in runs:
+        one = di.generate(base, tokens, lengths=lengths, max_new_tokens=10, **kw, **run)
+        mesh = di.generate(sharded_params, tokens, lengths=lengths, max_new_tokens=10, **kw, **run)
+        assert mesh.tokens.shape == (3, 10)
+        np.testing.assert_array_equal(np.asarray(mesh.tokens), np.asarray(one.tokens))
+        np.testing.assert_array_equal(np.asarray(mesh.accepted), np.asarray(one.accepted))
+        np.testing.assert_array_equal(np.asarray(mesh.verified), np.asarray(one.verified))
+        if method == "dspark":
+            np.testing.assert_allclose(np.asarray(mesh.draft_confidence),
+                                       np.asarray(one.draft_confidence), atol=1e-4)
+        if run["temperature"] == 0.0:
+            np.testing.assert_array_equal(np.asarray(mesh.tokens), plain)
