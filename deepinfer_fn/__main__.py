@@ -46,7 +46,6 @@ def cmd_forward(args) -> int:
 def _model_and_tokenizer(model: str | None, dtype_name: str):
     """(params, tokenizer) for a checkpoint directory, a preset (random weights), or the
     embedded default model when `model` is None."""
-    import deepinfer_fn as di
     from deepinfer_fn import text
     if model is None:
         from deepinfer_fn.default_model import default_model_path

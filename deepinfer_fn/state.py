@@ -43,12 +43,11 @@ So: speculative decoding with k drafts needs `window_slots >= sliding_window + k
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from deepinfer_fn.config import CSA, HCA, SWA, ModelConfig
+from deepinfer_fn.config import CSA, HCA, ModelConfig
 
 
 @jax.tree_util.register_dataclass

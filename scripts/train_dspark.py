@@ -28,7 +28,6 @@ Steps (spec/dspark.md §1.6, adapted to a 12.5M-parameter target and a 2-core CP
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

@@ -1,7 +1,6 @@
 """Kernel registry: dispatch, overrides, unavailable backends, and every registered
 implementation against the XLA reference (a brute-force loop for the reference itself)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

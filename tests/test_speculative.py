@@ -12,7 +12,6 @@
 * acceptance on the embedded default model is above a floor.
 """
 
-import functools
 import os
 
 import jax

@@ -19,7 +19,6 @@
 """
 
 import json
-import random
 import re
 
 import jax

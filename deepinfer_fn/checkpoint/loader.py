@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +22,8 @@ from deepinfer_fn.checkpoint import quant
 from deepinfer_fn.checkpoint.names import normalize_name, scale_name
 from deepinfer_fn.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from deepinfer_fn.config import ConfigError, ModelConfig
-from deepinfer_fn.params import (BF16, F32, FP4, FP8, I64, Params, Spec, ckpt_prefixes,
-                                 is_spec, leaf_dtype, param_specs)
+from deepinfer_fn.params import (BF16, FP4, FP8, Params, Spec, ckpt_prefixes, is_spec,
+                                 leaf_dtype, param_specs)
 
 _FLOAT_STORAGE = {"F32", "BF16", "F16", "F64"}
 

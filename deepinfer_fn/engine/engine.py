@@ -102,7 +102,6 @@ import time
 from typing import Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_fn.config import CSA, HCA

@@ -180,7 +180,7 @@ def spec_decode_packed(params, drafter, state: PagedState, packed, sched, *, met
     active = (slot < state.max_batch) & (left > 0)
     anchor = _take(state.last_token, slot)
     cap = jnp.where(active, jnp.clip(left - 1, 0, k), 0)
-    B, K = slot.shape[0], k + 1
+    K = k + 1
     if method == "dspark":
         dcfg = drafter.config
         ds = DecodeState(tuple(_gather_ring(r, slot) for r in sp["draft"]), P, state.max_len,

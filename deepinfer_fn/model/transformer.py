@@ -86,7 +86,6 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
     B, S = token_ids.shape
     token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1)
     start = state.lengths
-    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)
     streams = embed(params, token_ids)
     new_layers = []
     tapped = {}
