@@ -6,13 +6,16 @@ runs a `lax.while_loop` that samples, feeds each row its own token and stops row
 independently; the decode state is donated, and nothing returns to the host until the end.
 
 `generate(..., speculative="mtp", num_draft_tokens=k)` takes a separate path
-(`_speculative_generate`): the same prefill (plus the MTP drafter's), then a while-loop whose
+(`_speculative_run`): the same prefill (plus the MTP drafter's), then a while-loop whose
 step drafts k tokens with the MTP block, verifies them with one k+1-token `forward_chunk`,
 accepts per row (deepinfer_fn/speculative/verify.py), rolls the state back to the accepted
 prefix and feeds the MTP the accepted positions. With a constraint, the drafts and the verified
 target distributions are masked by the grammar state at every draft position and the matchers
 roll back with the state (deepinfer_fn/structured.py, "Speculative decoding"); the DSpark path
-(`_dspark_generate`) does the same inside its Markov draft pass.
+(`_dspark_run`) does the same inside its Markov draft pass. A speculative run is a start
+(first token, loop carry) and segments of that while-loop, each running the rows short of a
+token target (`_run_segments`): `generate` runs one segment to the end, `stream_generate` one
+per block.
 """
 
 from __future__ import annotations
@@ -311,21 +314,52 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
 def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
     """Like `generate`, but yields a `GenerateOutput` of up to `block` new tokens per row at a
     time (the device runs `block` decode steps per call; Python sees one transfer per block).
-    The last output of each row is padded after it stops."""
+    The last output of each row is padded after it stops.
+
+    With speculative=: each output holds the tokens each row committed since the previous one
+    (`lengths` counts them); after the i-th output a running row has between i x block and
+    i x block + the draft length tokens (a verify step commits several). A row that reaches
+    the block's end waits for the others without taking steps, so its tokens, keys and
+    acceptance are those of `generate`
+    (with verify_len="dynamic" the scheduler decides over the rows stepping, so lengths, not
+    the output distribution, can differ). `accepted` / `verified` / `draft_confidence` are the
+    histories so far (-1 / 0 for steps not run yet)."""
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
-    if kwargs.get("speculative") is not None:
-        raise NotImplementedError("stream_generate does not do speculative decoding yet; "
-                                  "use generate(..., speculative=...)")
-    for key in ("speculative", "num_draft_tokens", "drafter", "verify_len", "verify_cost"):
-        kwargs.pop(key, None)
+    speculative = {key: kwargs.pop(key) for key in ("speculative", "num_draft_tokens",
+                                                    "drafter", "verify_len", "verify_cost")
+                   if key in kwargs}
     max_new_tokens = kwargs.pop("max_new_tokens")
     lengths = kwargs.pop("lengths", None)
     tokens, lengths = check_prompts(tokens, lengths, params.config, max_new_tokens,
                                     kwargs.get("max_len"))
     kwargs["stop_tokens"] = check_stop_tokens(kwargs.get("stop_tokens", ()), params.config)
+    block = max(1, int(block))
+    if speculative.get("speculative") is not None:
+        return_logprobs = kwargs.pop("return_logprobs", False)
+        runs = _speculative_run(
+            params, tokens, lengths, method=speculative["speculative"],
+            k=speculative.get("num_draft_tokens"), drafter=speculative.get("drafter"),
+            verify_len=speculative.get("verify_len", "fixed"),
+            verify_cost=speculative.get("verify_cost"), max_new_tokens=int(max_new_tokens),
+            block=block, **_with_defaults(kwargs))
+        pad = params.config.eos_token_id if kwargs.get("pad_id") is None else kwargs["pad_id"]
+        yield from _speculative_pieces(runs, pad_id=pad, return_logprobs=return_logprobs)
+        return
     yield from _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
-                                block=max(1, int(block)), **kwargs)
+                                block=block, **kwargs)
+
+
+def _with_defaults(kwargs: dict) -> dict:
+    """generate's keyword defaults for the arguments `_speculative_run` needs explicitly."""
+    out = dict(temperature=0.0, top_k=None, top_p=None, min_p=None, seed=0, stop_tokens=(),
+               pad_id=None, prefill_chunk=512, max_len=None, window_slots=None, constraint=None,
+               tokenizer=None)
+    unknown = set(kwargs) - set(out)
+    if unknown:
+        raise TypeError(f"stream_generate got unexpected keyword arguments {sorted(unknown)}")
+    out.update(kwargs)
+    return out
 
 
 def _mesh_rows(params, tokens, lengths, temperature, top_k, top_p, min_p, seed):
@@ -515,93 +549,132 @@ def _verify_and_emit(logits, drafts, q, sampling, step, ell, active, out, logp, 
     return tokens, g, n_emit, hit, out, logp, count + n_out, extra
 
 
-@functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"))
-def _spec_decode(params: Params, state: DecodeState, mstate: DecodeState, logits, last_streams,
-                 done, sampling: SamplingParams, pad_id, masks=None, session=None, *, n: int,
-                 k: int, stop_tokens: tuple[int, ...]):
-    """Up to n tokens per row: the first sampled from the prefill logits as plain decoding
-    does, then `lax.while_loop` steps of draft (MTP, k tokens) -> verify (one forward of the
-    anchor + k drafts, all logits) -> accept (per row) -> rollback -> MTP catch-up.
+def _stops(stop_tokens: tuple[int, ...]) -> jax.Array:
+    return jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
 
-    Per row the loop carries the MTP's pending input: the backbone streams and next tokens of
-    the positions committed in the last step (at most k + 1). Returns (tokens [B,n],
-    logprobs [B,n], counts [B], stopped [B] (a stop token or the constraint ended the row),
-    accepted [B,n], verified [B,n]).
 
-    Constrained (masks: packed uint32 [B,W] for the first token; session: int32 id of a
-    registered `structured.ConstrainedBatch`; structured.py, "speculative decoding"): the
-    first token is sampled under `masks` and consumed by `host_step`; each verify step then
-    carries m_0 (the grammar state after the committed tokens), drafts under m_0..m_{k-1}
-    with one `host_draft` io_callback per slot (returning m_1..m_k), verifies against the
-    target logits masked by m_0..m_k (draft slots after a drafted EOS or dead end are not
-    admitted), and one `host_commit` io_callback rolls the matchers back to the accepted
-    drafts, consumes the correction/bonus token and returns the next m_0, the rows the
-    constraint finished and how many committed tokens stay (an accepted EOS draft drops the
-    bonus after it). Logprobs are those of the masked logits, as in `_decode_block`.
-    """
-    B = logits.shape[0]
-    K1 = k + 1
-    V = logits.shape[-1]
-    constrained = masks is not None
-    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-    first, out, logp, count, done, masks, ended = _spec_first_token(
-        logits, sampling, state.lengths, done, masks, session, pad_id, stops, n=n, width=n + K1)
-    pend_streams = jnp.zeros((B, K1) + last_streams.shape[1:], last_streams.dtype)
-    pend_streams = pend_streams.at[:, 0].set(last_streams)
-    pend_ids = jnp.zeros((B, K1), jnp.int32).at[:, 0].set(first)
-    pend_n = jnp.where(done, 0, 1).astype(jnp.int32)
+def _rows_where(active, new, old):
+    """Per row (leading axis), `new` where active else `old` (pytrees of equal shapes)."""
+    return jax.tree.map(
+        lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+def _record(hist, step, active, value):
+    """hist [B, n, ...] with value [B, ...] written at each active row's own step index."""
+    at = (jnp.arange(hist.shape[1])[None] == step[:, None]) & active[:, None]
+    at = at.reshape(at.shape + (1,) * (hist.ndim - 2))
+    return jnp.where(at, jnp.expand_dims(value, 1).astype(hist.dtype), hist)
+
+
+def _spec_carry(first_token_out, state, *, n: int, extra: dict) -> dict:
+    """The loop carry of a speculative decode, after `_spec_first_token`: the target state,
+    the output buffers, count/done/step per row, the per-step histories (accepted, verified:
+    -1 where a row ran no such step), the constraint's masks/ended, plus the drafter's `extra`."""
+    first, out, logp, count, done, masks, ended = first_token_out
+    B = count.shape[0]
     hist = jnp.full((B, n), -1, jnp.int32)
+    carry = dict(state=state, out=out, logp=logp, count=count, done=done,
+                 step=jnp.zeros((B,), jnp.int32), acc=hist, ver=hist, ended=ended, **extra)
+    if masks is not None:
+        carry["masks"] = masks
+    return carry
 
-    def cond(loop):
-        return (loop[0] < n) & ~jnp.all(loop[9])
 
-    def body(loop):
-        (i, state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done, step, acc_h,
-         ver_h) = loop[:13]
-        active = ~done
+def _runnable(carry, until):
+    """Rows that take a step in this segment: not done and short of `until` tokens."""
+    return ~carry["done"] & (carry["count"] < until)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"), donate_argnums=(1, 2))
+def _mtp_start(params: Params, state: DecodeState, mstate: DecodeState, logits, last_streams,
+               done, sampling: SamplingParams, pad_id, masks=None, session=None, *, n: int,
+               k: int, stop_tokens: tuple[int, ...]) -> dict:
+    """The MTP loop's carry: the first token sampled from the prefill logits as plain decoding
+    does (under `masks`, consumed by the host matchers, when constrained), and the MTP's
+    pending input: the backbone streams and next tokens of the positions committed last (at
+    most k + 1; here the prompt's last position and the first token)."""
+    B, K1 = logits.shape[0], k + 1
+    first = _spec_first_token(logits, sampling, state.lengths, done, masks, session, pad_id,
+                              _stops(stop_tokens), n=n, width=n + K1)
+    pend_streams = jnp.zeros((B, K1) + last_streams.shape[1:], last_streams.dtype)
+    extra = dict(mstate=mstate, pend_streams=pend_streams.at[:, 0].set(last_streams),
+                 pend_ids=jnp.zeros((B, K1), jnp.int32).at[:, 0].set(first[0]),
+                 pend_n=jnp.where(first[4], 0, 1).astype(jnp.int32))
+    return _spec_carry(first, state, n=n, extra=extra)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "k", "stop_tokens"), donate_argnums=(1,))
+def _mtp_steps(params: Params, carry: dict, sampling: SamplingParams, until, session=None, *,
+               n: int, k: int, stop_tokens: tuple[int, ...]) -> dict:
+    """`lax.while_loop` steps of draft (MTP, k tokens) -> verify (one forward of the anchor + k
+    drafts, all logits) -> accept (per row) -> rollback -> MTP catch-up, until every row is
+    done or has `until` tokens (rows past it wait: no step, no key consumed, their pending
+    MTP input kept; `until` = n runs to the end).
+
+    Constrained (carry["masks"]: packed uint32 [B,W], the grammar state after the committed
+    tokens, m_0; session: int32 id of a registered `structured.ConstrainedBatch`; structured.py,
+    "speculative decoding"): each step drafts under m_0..m_{k-1} with one `host_draft`
+    io_callback per slot (returning m_1..m_k), verifies against the target logits masked by
+    m_0..m_k (draft slots after a drafted EOS or dead end are not admitted), and one
+    `host_commit` io_callback rolls the matchers back to the accepted drafts, consumes the
+    correction/bonus token and returns the next m_0, the rows the constraint finished and how
+    many committed tokens stay (an accepted EOS draft drops the bonus after it). Logprobs are
+    those of the masked logits, as in `_decode_block`."""
+    V = params.config.vocab_size
+    constrained = "masks" in carry
+    stops = _stops(stop_tokens)
+
+    def body(c):
+        active = _runnable(c, until)
+        state, mstate, count, step = c["state"], c["mstate"], c["count"], c["step"]
+        pend_ids, pend_n = c["pend_ids"], c["pend_n"]
+        B = count.shape[0]
         ell = jnp.where(active, jnp.clip(n - count - 1, 0, k), 0)
         anchor = jnp.take_along_axis(pend_ids, jnp.maximum(pend_n - 1, 0)[:, None], 1)[:, 0]
         pending = jnp.where(active, pend_n, 0)
         if constrained:  # grammar masks at every draft slot, one host call per slot
             def host(x):
                 return io_callback(structured.host_draft,
-                                   (jax.ShapeDtypeStruct((B, loop[13].shape[-1]), jnp.uint32),
+                                   (jax.ShapeDtypeStruct(c["masks"].shape, jnp.uint32),
                                     jax.ShapeDtypeStruct((B,), jnp.bool_)),
                                    session, x, active, ordered=False)
             drafts, q, mstate, dmasks, dstop = spec.draft(
-                params, mstate, pend_streams, pend_ids, pending, k, sampling, step,
-                constrain=(loop[13], host))
+                params, mstate, c["pend_streams"], pend_ids, pending, k, sampling, step,
+                constrain=(c["masks"], host))
             # Slots after a drafted EOS / dead end are not admitted (decided from x_j, §2.5).
             first_stop = jnp.where(jnp.any(dstop, 1), jnp.argmax(dstop, 1) + 1, k)
             ell = jnp.minimum(ell, first_stop)
         else:
-            drafts, q, mstate = spec.draft(params, mstate, pend_streams, pend_ids, pending, k,
-                                           sampling, step)
+            drafts, q, mstate = spec.draft(params, mstate, c["pend_streams"], pend_ids, pending,
+                                           k, sampling, step)
         ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
         logits, new_state, streams = transformer.forward_chunk(
             params, state, ids, jnp.where(active, ell + 1, 0), all_logits=True)
         if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
             logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
         tokens, g, n_emit, hit, out, logp, count, extra = _verify_and_emit(
-            logits, drafts, q, sampling, step, ell, active, out, logp, count, stops,
-            (loop[13], loop[14], session) if constrained else None, n=n)
-        state = spec.rollback(new_state, state.lengths + n_emit)
-        acc_h = acc_h.at[:, i].set(jnp.where(active, g, -1))
-        ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
-        done = done | hit | (count >= n)
-        return (i + 1, state, mstate, streams, tokens, jnp.where(done, 0, n_emit), out, logp,
-                count, done, step + active.astype(jnp.int32), acc_h, ver_h) + extra
+            logits, drafts, q, sampling, step, ell, active, c["out"], c["logp"], count, stops,
+            (c["masks"], c["ended"], session) if constrained else None, n=n)
+        done = c["done"] | hit | (count >= n)
+        new = dict(c, state=spec.rollback(new_state, state.lengths + n_emit), mstate=mstate,
+                   out=out, logp=logp, count=count, done=done,
+                   step=step + active.astype(jnp.int32),
+                   acc=_record(c["acc"], step, active, g), ver=_record(c["ver"], step, active, ell),
+                   pend_streams=_rows_where(active, streams, c["pend_streams"]),
+                   pend_ids=_rows_where(active, tokens, pend_ids),
+                   pend_n=jnp.where(active, jnp.where(done, 0, n_emit), pend_n))
+        if constrained:
+            new["masks"], new["ended"] = extra
+        return new
 
-    init = (jnp.int32(0), state, mstate, pend_streams, pend_ids, pend_n, out, logp, count, done,
-            jnp.zeros((B,), jnp.int32), hist, hist)
-    init += (masks, ended) if constrained else ()
-    loop = jax.lax.while_loop(cond, body, init)
-    out, logp, count, done, acc_h, ver_h = loop[6:10] + loop[11:13]
+    return jax.lax.while_loop(lambda c: jnp.any(_runnable(c, until)), body, carry)
+
+
+@functools.partial(jax.jit, static_argnames=("stop_tokens",))
+def _spec_stopped(out, count, ended, *, stop_tokens: tuple[int, ...]):
+    """bool [B]: rows that ended right after a stop token, or that their constraint ended."""
     last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
-    stopped = (count > 0) & jnp.isin(last, stops)     # rows end right after their stop token
-    if constrained:
-        stopped = stopped | loop[14]
-    return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h
+    return ((count > 0) & jnp.isin(last, _stops(stop_tokens))) | ended
 
 
 def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens, temperature,
@@ -609,16 +682,98 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
                           prefill_chunk, max_len, window_slots, constraint=None,
                           tokenizer=None, drafter=None, verify_len="fixed",
                           verify_cost=None) -> GenerateOutput:
+    """`generate(..., speculative=...)`: the whole run as one segment."""
+    runs = _speculative_run(params, tokens, lengths, method=method, k=k, drafter=drafter,
+                            verify_len=verify_len, verify_cost=verify_cost,
+                            max_new_tokens=max_new_tokens, block=max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=seed, stop_tokens=stop_tokens, pad_id=pad_id,
+                            prefill_chunk=prefill_chunk, max_len=max_len,
+                            window_slots=window_slots, constraint=constraint,
+                            tokenizer=tokenizer)
+    for seg in runs:
+        pass
+    c, B, n = seg.carry, seg.rows, max_new_tokens
+    return GenerateOutput(c["out"][:B, :n], c["count"][:B], seg.stopped[:B],
+                          c["logp"][:B, :n] if return_logprobs else None, seg.statuses,
+                          accepted=c["acc"][:B], verified=c["ver"][:B],
+                          draft_confidence=c["conf"][:B] if "conf" in c else None)
+
+
+def _speculative_pieces(runs, *, pad_id, return_logprobs):
+    """`stream_generate(..., speculative=...)`: per segment, each row's tokens committed since
+    the previous one (a GenerateOutput whose `lengths` counts them, padded with pad_id), the
+    histories so far (accepted / verified / draft_confidence: -1 / 0 for steps not run yet)."""
+    prev = None
+    for seg in runs:
+        c, B = seg.carry, seg.rows
+        count = np.asarray(c["count"])[:B]
+        prev = np.zeros_like(count) if prev is None else prev
+        width = max(1, int((count - prev).max()))
+        cols = prev[:, None] + np.arange(width)[None]
+        keep = cols < count[:, None]
+        take = np.minimum(cols, c["out"].shape[1] - 1)
+        toks = np.where(keep, np.take_along_axis(np.asarray(c["out"])[:B], take, 1), pad_id)
+        logp = (np.where(keep, np.take_along_axis(np.asarray(c["logp"])[:B], take, 1), 0.0)
+                if return_logprobs else None)
+        yield GenerateOutput(jnp.asarray(toks, jnp.int32), jnp.asarray(count - prev),
+                             seg.stopped[:B],
+                             None if logp is None else jnp.asarray(logp, jnp.float32),
+                             seg.statuses, accepted=c["acc"][:B], verified=c["ver"][:B],
+                             draft_confidence=c["conf"][:B] if "conf" in c else None)
+        prev = count
+
+
+@dataclasses.dataclass
+class _Segment:
+    """One segment of a speculative run: the loop carry (device arrays, mesh padding rows
+    included), the number of real rows, stopped bool [rows+padding], statuses."""
+    carry: dict
+    rows: int
+    stopped: jax.Array
+    statuses: tuple | None
+
+
+def _run_segments(carry, advance, *, n: int, block: int, stop_tokens, B: int,
+                  constrained=None, failed=None):
+    """Yields a `_Segment` after `advance(carry, until)` for until = block, 2 block, ... n
+    (ends early once every row is done); the constraint's statuses are "pending" for the
+    rows still running in a segment that is not the last."""
+    until = 0
+    while True:
+        until = min(until + block, n)
+        carry = advance(carry, jnp.int32(until))
+        stopped = _spec_stopped(carry["out"], carry["count"], carry["ended"],
+                                stop_tokens=stop_tokens)
+        # the last segment does not wait for the device (unless the matchers must be read)
+        final = until >= n or bool(np.asarray(carry["done"])[:B].all())
+        statuses = None
+        if constrained is not None:   # waits for the loop: the matchers are up to date
+            done = np.asarray(carry["done"])[:B]
+            stopped = jnp.asarray(np.asarray(stopped) | failed)
+            statuses = tuple(st if st is None or final or done[b] else "pending"
+                             for b, st in enumerate(constrained.statuses()[:B]))
+        yield _Segment(carry, B, stopped, statuses)
+        if final:
+            return
+
+
+def _speculative_run(params, tokens, lengths, *, method, k, max_new_tokens, block, temperature,
+                     top_k, top_p, min_p, seed, stop_tokens, pad_id, prefill_chunk, max_len,
+                     window_slots, constraint=None, tokenizer=None, drafter=None,
+                     verify_len="fixed", verify_cost=None):
+    """Generator of `_Segment`s of a speculative run (validation happens at the first step)."""
     from deepinfer_fn.api import mesh_context
     cfg = params.config
     if method == "dspark":
-        return _dspark_generate(
+        yield from _dspark_run(
             params, tokens, lengths, drafter=drafter, k=k, verify_len=verify_len,
-            verify_cost=verify_cost, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
-            return_logprobs=return_logprobs, pad_id=pad_id, prefill_chunk=prefill_chunk,
+            verify_cost=verify_cost, max_new_tokens=max_new_tokens, block=block,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+            stop_tokens=stop_tokens, pad_id=pad_id, prefill_chunk=prefill_chunk,
             max_len=max_len, window_slots=window_slots, constraint=constraint,
             tokenizer=tokenizer)
+        return
     if method != "mtp":
         raise ValueError(f"speculative={method!r}: expected 'mtp' or 'dspark'")
     if drafter is not None:
@@ -651,38 +806,30 @@ def _speculative_generate(params, tokens, lengths, *, method, k, max_new_tokens,
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
     done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     kw = dict(n=max_new_tokens, k=k, stop_tokens=stop_tokens)
+    seg = dict(n=max_new_tokens, block=block, stop_tokens=stop_tokens, B=B)
     if constrained is None:
+        def advance(carry, until):
+            with mesh_context(params)[1]:
+                return _mtp_steps(params, carry, sampling, until, **kw)
         with mesh_context(params)[1]:
-            out, logp, count, stopped, acc, ver = _spec_decode(
-                params, state, mstate, logits, last_streams, done, sampling, pad, **kw)
-        return _first_rows(GenerateOutput(out, count, stopped,
-                                          logp if return_logprobs else None,
-                                          accepted=acc, verified=ver), B)
+            carry = _mtp_start(params, state, mstate, logits, last_streams, done, sampling,
+                               pad, **kw)
+        yield from _run_segments(carry, advance, **seg)
+        return
     constrained.pad_rows(Bp)
     masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
-    sid = structured.register(constrained)
+    sid = jnp.int32(structured.register(constrained))
     try:
+        def advance(carry, until):
+            with mesh_context(params)[1]:
+                return _mtp_steps(params, carry, sampling, until, sid, **kw)
         with mesh_context(params)[1]:
-            out, logp, count, stopped, acc, ver = _spec_decode(
-                params, state, mstate, logits, last_streams, done | jnp.asarray(failed),
-                sampling, pad, jnp.asarray(masks), jnp.int32(sid), **kw)
-        stopped = np.asarray(stopped) | failed   # waits for the loop: the matchers are final
+            carry = _mtp_start(params, state, mstate, logits, last_streams,
+                               done | jnp.asarray(failed), sampling, pad, jnp.asarray(masks),
+                               sid, **kw)
+        yield from _run_segments(carry, advance, constrained=constrained, failed=failed, **seg)
     finally:
-        structured.unregister(sid)
-    return _first_rows(GenerateOutput(out, count, jnp.asarray(stopped),
-                                      logp if return_logprobs else None, constrained.statuses(),
-                                      accepted=acc, verified=ver), B)
-
-
-def _first_rows(out: GenerateOutput, B: int) -> GenerateOutput:
-    """The output's first B rows (drops mesh padding rows; the identity without a mesh)."""
-    if out.tokens.shape[0] == B:
-        return out
-    rows = lambda x: None if x is None else x[:B]
-    status = None if out.constraint_status is None else tuple(out.constraint_status[:B])
-    return GenerateOutput(rows(out.tokens), rows(out.lengths), rows(out.stopped),
-                          rows(out.logprobs), status, rows(out.accepted), rows(out.verified),
-                          rows(out.draft_confidence))
+        structured.unregister(int(sid))
 
 
 # --- speculative decoding (DSpark drafter) -----------------------------------------------
@@ -728,54 +875,60 @@ def _verify_lengths(conf, active, cap, sched, mode: str, seed, step):
     return jnp.where(dynamic, jnp.clip(ell.astype(jnp.int32), 0, cap), cap)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode", "column_buckets"))
-def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeState, logits,
-                   done, sampling: SamplingParams, pad_id, sched, masks=None, session=None, *,
-                   n: int, stop_tokens: tuple[int, ...], mode: str,
-                   column_buckets: tuple[int, ...] | None = None):
-    """Up to n tokens per row: the first sampled from the prefill logits, then
-    `lax.while_loop` steps of draft (DSpark block of γ) -> verify ell_b + 1 tokens per row
-    (one all-logits forward with the taps) -> accept -> rollback of the target state ->
-    push the committed positions' features (anchor + accepted drafts) into the draft
-    context. The draft context therefore only ever holds committed positions and is at the
-    target's length whenever a block is drafted. Returns like `_spec_decode`. Dynamic and
-    random modes run the verify forward on the smallest of `column_buckets` (default every
-    width) that holds 1 + max(ell) columns (`schedule.run_with_columns`).
+@functools.partial(jax.jit, static_argnames=("n", "gamma", "stop_tokens"), donate_argnums=(0, 1))
+def _dspark_start(state: DecodeState, dstate: DecodeState, logits, done,
+                  sampling: SamplingParams, pad_id, masks=None, session=None, *, n: int,
+                  gamma: int, stop_tokens: tuple[int, ...]) -> dict:
+    """The DSpark loop's carry: the first token sampled from the prefill logits as plain
+    decoding does (the first anchor), the draft context state, the confidence history."""
+    B = logits.shape[0]
+    first = _spec_first_token(logits, sampling, state.lengths, done, masks, session, pad_id,
+                              _stops(stop_tokens), n=n, width=n + gamma + 1)
+    extra = dict(dstate=dstate, anchor=first[0], conf=jnp.zeros((B, n, gamma), jnp.float32))
+    return _spec_carry(first, state, n=n, extra=extra)
 
-    Constrained (masks: packed uint32 [B,W] for the first token; session: id of a registered
-    `structured.ConstrainedBatch`), as `_spec_decode`: the first token is sampled under `masks`
-    (`host_step`); each step carries m_0 and the Markov pass draws slot j + 1 under m_j (one
-    `host_draft` io_callback per slot, so q is the masked distribution the draft came from,
-    spec/dspark.md §2.2); the verify length is capped before the scheduler by the slots the
-    drafts admit (none after a drafted EOS / dead end: a function of earlier drafts only,
-    §2.5); the target logits are masked by m_0..m_γ; `host_commit` rolls the matchers back to
-    the accepted drafts. Without masks the program is the unconstrained one, unchanged."""
+
+@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "mode", "column_buckets"),
+                   donate_argnums=(2,))
+def _dspark_steps(params: Params, drafter, carry: dict, sampling: SamplingParams, sched, until,
+                  session=None, *, n: int, stop_tokens: tuple[int, ...], mode: str,
+                  column_buckets: tuple[int, ...] | None = None) -> dict:
+    """`lax.while_loop` steps of draft (DSpark block of γ) -> verify ell_b + 1 tokens per row
+    (one all-logits forward with the taps) -> accept -> rollback of the target state -> push
+    the committed positions' features (anchor + accepted drafts) into the draft context, until
+    every row is done or has `until` tokens (rows past it wait: no step, no key consumed).
+    The draft context therefore only ever holds committed positions and is at the target's
+    length whenever a block is drafted. Dynamic and random modes run the verify forward on the
+    smallest of `column_buckets` (default every width) that holds 1 + max(ell) columns
+    (`schedule.run_with_columns`); the dynamic scheduler decides over the rows stepping now.
+
+    Constrained (carry["masks"], session), as `_mtp_steps`: each step carries m_0 and the
+    Markov pass draws slot j + 1 under m_j (one `host_draft` io_callback per slot, so q is the
+    masked distribution the draft came from, spec/dspark.md §2.2); the verify length is capped
+    before the scheduler by the slots the drafts admit (none after a drafted EOS / dead end: a
+    function of earlier drafts only, §2.5); the target logits are masked by m_0..m_γ;
+    `host_commit` rolls the matchers back to the accepted drafts. Without masks the program is
+    the unconstrained one, unchanged."""
     dcfg = drafter.config
     g_max = dcfg.block_size
-    B = logits.shape[0]
-    K1 = g_max + 1
-    V = logits.shape[-1]
-    constrained = masks is not None
-    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
-    first, out, logp, count, done, masks, ended = _spec_first_token(
-        logits, sampling, state.lengths, done, masks, session, pad_id, stops, n=n, width=n + K1)
-    hist = jnp.full((B, n), -1, jnp.int32)
+    V = params.config.vocab_size
+    constrained = "masks" in carry
+    stops = _stops(stop_tokens)
 
-    def cond(loop):
-        return (loop[0] < n) & ~jnp.all(loop[7])
-
-    def body(loop):
-        i, state, dstate, anchor, out, logp, count, done, step, acc_h, ver_h, conf_h = loop[:12]
-        active = ~done
+    def body(c):
+        active = _runnable(c, until)
+        state, dstate, anchor, count, step = (c["state"], c["dstate"], c["anchor"], c["count"],
+                                              c["step"])
+        B = count.shape[0]
         cap = jnp.where(active, jnp.clip(n - count - 1, 0, g_max), 0)
         if constrained:  # grammar masks inside the Markov pass, one host call per slot
             def host(x):
                 return io_callback(structured.host_draft,
-                                   (jax.ShapeDtypeStruct(loop[12].shape, jnp.uint32),
+                                   (jax.ShapeDtypeStruct(c["masks"].shape, jnp.uint32),
                                     jax.ShapeDtypeStruct((B,), jnp.bool_)),
                                    session, x, active, ordered=False)
             drafts, q, conf, dmasks, dstop = spec.dspark.draft(
-                drafter, params, dstate, anchor, sampling, step, constrain=(loop[12], host))
+                drafter, params, dstate, anchor, sampling, step, constrain=(c["masks"], host))
             # Slots after a drafted EOS / dead end are not admitted (decided from x_j, §2.5).
             cap = jnp.minimum(cap, jnp.where(jnp.any(dstop, 1), jnp.argmax(dstop, 1) + 1, g_max))
         else:
@@ -800,29 +953,21 @@ def _dspark_decode(params: Params, drafter, state: DecodeState, dstate: DecodeSt
         if constrained:  # p~_j under the grammar state after the anchor and x_1..x_j
             logits = jnp.where(structured.unpack_bitmask(dmasks, V), logits, -jnp.inf)
         tokens, g, n_emit, hit, out, logp, count, extra = _verify_and_emit(
-            logits, drafts, q, sampling, step, ell, active, out, logp, count, stops,
-            (loop[12], loop[13], session) if constrained else None, n=n)
-        state = spec.rollback(new_state, state.lengths + n_emit)
-        dstate = spec.dspark.push(drafter, params.config, dstate, feats, n_emit)
-        anchor = jnp.take_along_axis(tokens, g[:, None], axis=1)[:, 0]
-        acc_h = acc_h.at[:, i].set(jnp.where(active, g, -1))
-        ver_h = ver_h.at[:, i].set(jnp.where(active, ell, -1))
-        conf_h = conf_h.at[:, i].set(conf)
-        done = done | hit | (count >= n)
-        return (i + 1, state, dstate, anchor, out, logp, count, done,
-                step + active.astype(jnp.int32), acc_h, ver_h, conf_h) + extra
+            logits, drafts, q, sampling, step, ell, active, c["out"], c["logp"], count, stops,
+            (c["masks"], c["ended"], session) if constrained else None, n=n)
+        new = dict(c, state=spec.rollback(new_state, state.lengths + n_emit),
+                   dstate=spec.dspark.push(drafter, params.config, dstate, feats, n_emit),
+                   anchor=jnp.where(active, jnp.take_along_axis(tokens, g[:, None], 1)[:, 0],
+                                    anchor),
+                   out=out, logp=logp, count=count, done=c["done"] | hit | (count >= n),
+                   step=step + active.astype(jnp.int32),
+                   acc=_record(c["acc"], step, active, g), ver=_record(c["ver"], step, active, ell),
+                   conf=_record(c["conf"], step, active, conf))
+        if constrained:
+            new["masks"], new["ended"] = extra
+        return new
 
-    init = (jnp.int32(0), state, dstate, first, out, logp, count, done,
-            jnp.zeros((B,), jnp.int32), hist, hist, jnp.zeros((B, n, g_max), jnp.float32))
-    init += (masks, ended) if constrained else ()
-    loop = jax.lax.while_loop(cond, body, init)
-    out, logp, count, done = loop[4:8]
-    acc_h, ver_h, conf_h = loop[9:12]
-    last = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
-    stopped = (count > 0) & jnp.isin(last, stops)
-    if constrained:
-        stopped = stopped | loop[13]
-    return out[:, :n], logp[:, :n], count, stopped, acc_h, ver_h, conf_h
+    return jax.lax.while_loop(lambda c: jnp.any(_runnable(c, until)), body, carry)
 
 
 def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
@@ -857,10 +1002,10 @@ def _dspark_schedule_args(drafter, verify_len, verify_cost, batch: int):
             buckets)
 
 
-def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
-                     max_new_tokens, temperature, top_k, top_p, min_p, seed, stop_tokens,
-                     return_logprobs, pad_id, prefill_chunk, max_len,
-                     window_slots, constraint=None, tokenizer=None) -> GenerateOutput:
+def _dspark_run(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
+                max_new_tokens, block, temperature, top_k, top_p, min_p, seed, stop_tokens,
+                pad_id, prefill_chunk, max_len, window_slots, constraint=None, tokenizer=None):
+    """`_speculative_run` for the DSpark drafter."""
     from deepinfer_fn.api import mesh_context
     from deepinfer_fn.speculative.dspark import DSpark, check_target, init_draft_state
     cfg = params.config
@@ -904,26 +1049,29 @@ def _dspark_generate(params, tokens, lengths, *, drafter, k, verify_len, verify_
     done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     mode = "scheduled" if sched is not None else verify_len
     kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=mode, column_buckets=buckets)
+    start = dict(n=max_new_tokens, gamma=gamma, stop_tokens=stop_tokens)
+    seg = dict(n=max_new_tokens, block=block, stop_tokens=stop_tokens, B=B)
     if constrained is None:
+        def advance(carry, until):
+            with mesh_context(params)[1]:
+                return _dspark_steps(params, drafter, carry, sampling, sched, until, **kw)
         with mesh_context(params)[1]:
-            out, logp, count, stopped, acc, ver, conf = _dspark_decode(
-                params, drafter, state, dstate, logits, done, sampling, pad, sched, **kw)
-        return _first_rows(GenerateOutput(out, count, stopped, logp if return_logprobs else None,
-                                          accepted=acc, verified=ver, draft_confidence=conf), B)
+            carry = _dspark_start(state, dstate, logits, done, sampling, pad, **start)
+        yield from _run_segments(carry, advance, **seg)
+        return
     constrained.pad_rows(Bp)
     masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
-    sid = structured.register(constrained)
+    sid = jnp.int32(structured.register(constrained))
     try:
+        def advance(carry, until):
+            with mesh_context(params)[1]:
+                return _dspark_steps(params, drafter, carry, sampling, sched, until, sid, **kw)
         with mesh_context(params)[1]:
-            out, logp, count, stopped, acc, ver, conf = _dspark_decode(
-                params, drafter, state, dstate, logits, done | jnp.asarray(failed), sampling,
-                pad, sched, jnp.asarray(masks), jnp.int32(sid), **kw)
-        stopped = np.asarray(stopped) | failed   # waits for the loop: the matchers are final
+            carry = _dspark_start(state, dstate, logits, done | jnp.asarray(failed), sampling,
+                                  pad, jnp.asarray(masks), sid, **start)
+        yield from _run_segments(carry, advance, constrained=constrained, failed=failed, **seg)
     finally:
-        structured.unregister(sid)
-    return _first_rows(GenerateOutput(out, count, jnp.asarray(stopped),
-                                      logp if return_logprobs else None, constrained.statuses(),
-                                      accepted=acc, verified=ver, draft_confidence=conf), B)
+        structured.unregister(int(sid))
 
 
 def _batch_shards(mesh) -> int:

@@ -399,3 +399,38 @@ def test_default_model_drafter():
           f"greedy {rate['greedy']:.3f}, sampled {rate['sampled']:.3f}, all {out.acceptance()}")
     assert rate["greedy"] > FLOOR_GREEDY
     assert rate["sampled"] > FLOOR_SAMPLED
+
+
+def test_stream_generate_speculative_pieces(planted_runs):
+    """stream_generate(..., speculative="dspark") with 5-token blocks: the pieces add up to
+    generate's tokens and logprobs row by row (greedy and sampled rows, stops, random verify
+    lengths: a waiting row takes no step and consumes no key), after the i-th piece each
+    running row has between 5i and 5i + γ tokens, and the last piece carries generate's
+    histories and stop flags."""
+    tokens, kw, runs = planted_runs
+    run = runs[1.0]
+    whole = run["spec"]
+    _, _, seeds = _batch()
+    pieces = list(di.stream_generate(run["target"], tokens, block=5, seed=seeds,
+                                     speculative="dspark", drafter=run["drafter"],
+                                     verify_len="random", **kw))
+    assert len(pieces) == -(-N_NEW // 5)
+    n = np.asarray(whole.lengths)
+    total = np.zeros_like(n)
+    for i, p in enumerate(pieces, 1):
+        got = np.asarray(p.lengths)
+        total += got
+        running = total < n
+        assert np.all(total[running] >= min(5 * i, N_NEW))
+        assert np.all(total <= min(5 * i, N_NEW) + GAMMA)
+    np.testing.assert_array_equal(total, n)
+    toks = np.asarray(whole.tokens)
+    for b in range(len(n)):
+        ids = np.concatenate([np.asarray(p.tokens[b, :int(p.lengths[b])]) for p in pieces])
+        np.testing.assert_array_equal(ids, toks[b, :n[b]])
+    last = pieces[-1]
+    for field in ("stopped", "accepted", "verified"):
+        np.testing.assert_array_equal(np.asarray(getattr(last, field)),
+                                      np.asarray(getattr(whole, field)))
+    with pytest.raises(ValueError, match="drafter"):
+        next(di.stream_generate(run["target"], tokens, speculative="dspark", **kw))

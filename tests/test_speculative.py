@@ -395,3 +395,28 @@ def test_acceptance_on_default_model():
     print(f"\ndefault model greedy k=3: {a}, slot-1 acceptance {slot1:.2f}")
     assert a["acceptance_rate"] > FLOOR_RATE
     assert slot1 > FLOOR_SLOT1
+
+
+def test_stream_generate_mtp_pieces():
+    """stream_generate(..., speculative="mtp") in 4-token blocks: per row the pieces' tokens
+    and logprobs add up to generate's (greedy, sampled, stops; rows that reach a block's end
+    wait, keeping their pending MTP input), the last piece has generate's histories."""
+    params = golden_params("cfg_a_mtp")
+    rows = slice(0, 6)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (3 + M, 24)).astype(np.int32)
+    tokens[3:] = tokens[3]
+    kw = dict(lengths=np.array([24, 9, 17] + [20] * 3, np.int32), max_new_tokens=N_NEW,
+              temperature=np.array([0.0] * 3 + [1.5] * 3), stop_tokens=STOPS, pad_id=0,
+              seed=np.arange(6), speculative="mtp", num_draft_tokens=3, return_logprobs=True)
+    whole = di.generate(params, tokens[rows], **kw)
+    pieces = list(di.stream_generate(params, tokens[rows], block=4, **kw))
+    n = np.asarray(whole.lengths)
+    assert int(sum(np.asarray(p.lengths) for p in pieces).sum()) == int(n.sum())
+    for b in range(6):
+        ids = np.concatenate([np.asarray(p.tokens[b, :int(p.lengths[b])]) for p in pieces])
+        lp = np.concatenate([np.asarray(p.logprobs[b, :int(p.lengths[b])]) for p in pieces])
+        np.testing.assert_array_equal(ids, np.asarray(whole.tokens)[b, :n[b]])
+        np.testing.assert_allclose(lp, np.asarray(whole.logprobs)[b, :n[b]], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pieces[-1].accepted), np.asarray(whole.accepted))
+    np.testing.assert_array_equal(np.asarray(pieces[-1].stopped), np.asarray(whole.stopped))

@@ -468,3 +468,23 @@ def test_dspark_sampled_dynamic_verify_length_is_valid(model, tok, prompts, draf
                   verify_cost=cost)
     _validate(kind, out, tok)
     _check_bookkeeping(out)
+
+
+def test_dspark_stream_generate_constrained(dspark_greedy_runs, model, tok, prompts, drafter):
+    """stream_generate(..., constraint=, speculative="dspark"): the pieces add up to
+    generate's constrained DSpark tokens (the matchers wait with their rows between pieces);
+    running rows are "pending" until the last piece, which has generate's statuses."""
+    _, whole = dspark_greedy_runs["regex"]
+    pieces = list(di.stream_generate(model, prompts, block=8, max_new_tokens=N,
+                                     constraint=[Regex(r) for r in REGEXES], tokenizer=tok,
+                                     temperature=0.0, seed=SEEDS, speculative="dspark",
+                                     drafter=drafter))
+    assert len(pieces) >= 2
+    n = np.asarray(whole.lengths)
+    for b in range(len(n)):
+        ids = np.concatenate([np.asarray(p.tokens[b, :int(p.lengths[b])]) for p in pieces])
+        np.testing.assert_array_equal(ids, np.asarray(whole.tokens)[b, :n[b]])
+    assert pieces[-1].constraint_status == whole.constraint_status
+    first = pieces[0]
+    for b, st in enumerate(first.constraint_status):
+        assert st == ("pending" if int(first.lengths[b]) < n[b] else whole.constraint_status[b])
