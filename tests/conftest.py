@@ -1,5 +1,6 @@
 """Shared test set-up: CPU only, offline, persistent compilation cache, golden-file access."""
 
+import contextlib
 import os
 import pathlib
 
@@ -26,6 +27,19 @@ GOLDEN = ROOT / "tests" / "golden"
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@contextlib.contextmanager
+def no_cache_writes():
+    """Compiles inside are not written to the persistent cache (reads still hit). For the
+    sharded speculative programs: one local run aborted inside JAX's cache write
+    (executable.serialize) of the sharded DSpark loop, and no such program is reused."""
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 class Golden:

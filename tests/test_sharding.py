@@ -12,7 +12,7 @@ import pytest
 
 import deepinfer_fn as di
 import shardings
-from conftest import GOLDEN, ROOT, golden_params, rel_err
+from conftest import GOLDEN, ROOT, golden_params, no_cache_writes, rel_err
 
 MESHES = [dict(dp=8), dict(dp=2, ep=4), dict(ep=8)]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -143,14 +143,8 @@ def test_speculative_generate_on_mesh_equals_single_device(method, prompts):
         runs.append(dict(temperature=1.0, seed=[3, 4, 5], verify_len="random"))
     sharded_params = shardings.shard_params(base, _mesh(dict(dp=2, ep=4)))
     plain = np.asarray(di.generate(base, tokens, lengths=lengths, max_new_tokens=10).tokens)
-    # Not written to the persistent cache: one local run (of several) aborted inside JAX's
-    # cache write (executable.serialize) of the sharded DSpark loop; no program here is reused.
-    before = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    try:
+    with no_cache_writes():
         _compare_speculative(base, sharded_params, tokens, lengths, kw, runs, plain, method)
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def _compare_speculative(base, sharded_params, tokens, lengths, kw, runs, plain, method):

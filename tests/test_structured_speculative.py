@@ -488,3 +488,21 @@ def test_dspark_stream_generate_constrained(dspark_greedy_runs, model, tok, prom
     first = pieces[0]
     for b, st in enumerate(first.constraint_status):
         assert st == ("pending" if int(first.lengths[b]) < n[b] else whole.constraint_status[b])
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_constrained_on_a_sharded_mesh(dspark_greedy_runs, model, tok, prompts, drafter):
+    """Structured output on dp=2,ep=4 (4 rows padded to 8; the host matchers see the padding
+    rows as free): plain and DSpark constrained decoding give the single-device tokens and
+    statuses."""
+    import shardings
+    from conftest import no_cache_writes
+    plain, sp = dspark_greedy_runs["regex"]
+    mesh_params = shardings.shard_params(model, shardings.make_mesh(dp=2, ep=4))
+    c = [Regex(r) for r in REGEXES]
+    with no_cache_writes():
+        for want, got in [(plain, _plain(mesh_params, tok, prompts, c)),
+                          (sp, _dspark(mesh_params, tok, prompts, c, drafter))]:
+            _assert_same(got, want)
+            assert got.constraint_status == want.constraint_status
