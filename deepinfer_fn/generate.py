@@ -320,10 +320,10 @@ def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
     (`lengths` counts them); after the i-th output a running row has between i x block and
     i x block + the draft length tokens (a verify step commits several). A row that reaches
     the block's end waits for the others without taking steps, so its tokens, keys and
-    acceptance are those of `generate`
-    (with verify_len="dynamic" the scheduler decides over the rows stepping, so lengths, not
-    the output distribution, can differ). `accepted` / `verified` / `draft_confidence` are the
-    histories so far (-1 / 0 for steps not run yet)."""
+    acceptance are those of `generate` (with verify_len="dynamic" the scheduler decides over
+    the rows stepping, so verify lengths can differ; the output distribution cannot).
+    `accepted` / `verified` / `draft_confidence` are the histories so far (-1 / 0 for steps
+    not run yet)."""
     if not isinstance(params, Params):
         raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
     speculative = {key: kwargs.pop(key) for key in ("speculative", "num_draft_tokens",
