@@ -560,10 +560,11 @@ def _rows_where(active, new, old):
 
 
 def _record(hist, step, active, value):
-    """hist [B, n, ...] with value [B, ...] written at each active row's own step index."""
-    at = (jnp.arange(hist.shape[1])[None] == step[:, None]) & active[:, None]
-    at = at.reshape(at.shape + (1,) * (hist.ndim - 2))
-    return jnp.where(at, jnp.expand_dims(value, 1).astype(hist.dtype), hist)
+    """hist [B, n, ...] with value [B, ...] written at each active row's own step index
+    (an active row's step is < n: every step commits at least one of its n tokens)."""
+    rows, at = jnp.arange(hist.shape[0]), jnp.minimum(step, hist.shape[1] - 1)
+    keep = active.reshape((-1,) + (1,) * (hist.ndim - 2))
+    return hist.at[rows, at].set(jnp.where(keep, value.astype(hist.dtype), hist[rows, at]))
 
 
 def _spec_carry(first_token_out, state, *, n: int, extra: dict) -> dict:
@@ -806,30 +807,40 @@ def _speculative_run(params, tokens, lengths, *, method, k, max_new_tokens, bloc
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
     done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     kw = dict(n=max_new_tokens, k=k, stop_tokens=stop_tokens)
-    seg = dict(n=max_new_tokens, block=block, stop_tokens=stop_tokens, B=B)
-    if constrained is None:
-        def advance(carry, until):
-            with mesh_context(params)[1]:
-                return _mtp_steps(params, carry, sampling, until, **kw)
+    yield from _drive(
+        params, constrained, done,
+        lambda done, masks, sid: _mtp_start(params, state, mstate, logits, last_streams, done,
+                                            sampling, pad, masks, sid, **kw),
+        lambda carry, until, sid: _mtp_steps(params, carry, sampling, until, sid, **kw),
+        n=max_new_tokens, block=block, stop_tokens=stop_tokens, B=B)
+
+
+def _drive(params, constrained, done, start, steps, **segments):
+    """The segments of a speculative run (`_run_segments`) under the params' mesh:
+    start(done, masks, session) -> carry; steps(carry, until, session) -> carry. With a
+    `structured.ConstrainedBatch`, its rows (mesh padding: free rows) are registered for the
+    host callbacks for the run's lifetime, and a constraint that failed to compile leaves its
+    row done from the start (it never runs; the others are unaffected)."""
+    from deepinfer_fn.api import mesh_context
+    masks = sid = failed = None
+    if constrained is not None:
+        constrained.pad_rows(done.shape[0])
+        masks, failed = constrained.initial()
+        done, masks = done | jnp.asarray(failed), jnp.asarray(masks)
+        sid = jnp.int32(structured.register(constrained))
+
+    def advance(carry, until):
         with mesh_context(params)[1]:
-            carry = _mtp_start(params, state, mstate, logits, last_streams, done, sampling,
-                               pad, **kw)
-        yield from _run_segments(carry, advance, **seg)
-        return
-    constrained.pad_rows(Bp)
-    masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
-    sid = jnp.int32(structured.register(constrained))
+            return steps(carry, until, sid)
+
     try:
-        def advance(carry, until):
-            with mesh_context(params)[1]:
-                return _mtp_steps(params, carry, sampling, until, sid, **kw)
         with mesh_context(params)[1]:
-            carry = _mtp_start(params, state, mstate, logits, last_streams,
-                               done | jnp.asarray(failed), sampling, pad, jnp.asarray(masks),
-                               sid, **kw)
-        yield from _run_segments(carry, advance, constrained=constrained, failed=failed, **seg)
+            carry = start(done, masks, sid)
+        yield from _run_segments(carry, advance, constrained=constrained, failed=failed,
+                                 **segments)
     finally:
-        structured.unregister(int(sid))
+        if sid is not None:
+            structured.unregister(int(sid))
 
 
 # --- speculative decoding (DSpark drafter) -----------------------------------------------
@@ -1050,28 +1061,13 @@ def _dspark_run(params, tokens, lengths, *, drafter, k, verify_len, verify_cost,
     mode = "scheduled" if sched is not None else verify_len
     kw = dict(n=max_new_tokens, stop_tokens=stop_tokens, mode=mode, column_buckets=buckets)
     start = dict(n=max_new_tokens, gamma=gamma, stop_tokens=stop_tokens)
-    seg = dict(n=max_new_tokens, block=block, stop_tokens=stop_tokens, B=B)
-    if constrained is None:
-        def advance(carry, until):
-            with mesh_context(params)[1]:
-                return _dspark_steps(params, drafter, carry, sampling, sched, until, **kw)
-        with mesh_context(params)[1]:
-            carry = _dspark_start(state, dstate, logits, done, sampling, pad, **start)
-        yield from _run_segments(carry, advance, **seg)
-        return
-    constrained.pad_rows(Bp)
-    masks, failed = constrained.initial()  # a constraint that failed to compile: never runs
-    sid = jnp.int32(structured.register(constrained))
-    try:
-        def advance(carry, until):
-            with mesh_context(params)[1]:
-                return _dspark_steps(params, drafter, carry, sampling, sched, until, sid, **kw)
-        with mesh_context(params)[1]:
-            carry = _dspark_start(state, dstate, logits, done | jnp.asarray(failed), sampling,
-                                  pad, jnp.asarray(masks), sid, **start)
-        yield from _run_segments(carry, advance, constrained=constrained, failed=failed, **seg)
-    finally:
-        structured.unregister(int(sid))
+    yield from _drive(
+        params, constrained, done,
+        lambda done, masks, sid: _dspark_start(state, dstate, logits, done, sampling, pad,
+                                               masks, sid, **start),
+        lambda carry, until, sid: _dspark_steps(params, drafter, carry, sampling, sched, until,
+                                                sid, **kw),
+        n=max_new_tokens, block=block, stop_tokens=stop_tokens, B=B)
 
 
 def _batch_shards(mesh) -> int:
