@@ -3,6 +3,9 @@
 `mosaic_gpu` (Pallas Mosaic GPU, NVIDIA Hopper / sm_90):
   grouped_matmul    custom_calls.grouped_matmul.grouped_matmul_mgpu
   sparse_attention  custom_calls.sparse_attention.sparse_attention_mgpu
+  mhc_pre/mhc_post  custom_calls.mhc.mhc_pre_mgpu / mhc_post_mgpu
+  attention         custom_calls.attention.attention_mgpu
+  compressor_decode custom_calls.compressor.compressor_decode_mgpu  (opt-in: available() is False)
 
 Each implementation has `available()` (True only on an sm_90 NVIDIA device, so the
 registry's GPU preference falls back to XLA elsewhere) and an `interpret=False` keyword that
@@ -12,8 +15,15 @@ runs the kernel under Pallas' GPU interpret mode on CPU (tests/test_kernels_gpu.
 from deepinfer_fn import kernels as _kernels
 from custom_calls.grouped_matmul import grouped_matmul_mgpu
 from custom_calls.sparse_attention import sparse_attention_mgpu
+from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu
+from custom_calls.attention import attention_mgpu
+from custom_calls.compressor import compressor_decode_mgpu
 
 _kernels.register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
 _kernels.register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
+_kernels.register("mhc_pre", "mosaic_gpu")(mhc_pre_mgpu)
+_kernels.register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
+_kernels.register("attention", "mosaic_gpu")(attention_mgpu)
+_kernels.register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 
-__all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu"]
+__all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu", "attention_mgpu", "compressor_decode_mgpu"]

@@ -1,11 +1,18 @@
-"""Mosaic GPU kernels (custom_calls/) against the XLA reference, on CPU.
+"""Mosaic GPU kernels (custom_calls/) against the XLA reference, on CPU (or on a Hopper GPU).
 
-The kernels run under Pallas' GPU interpret mode, which simulates the GPU's memories,
-warpgroups, barriers, TMA and wgmma on the CPU: the same kernel code path as on an H100 /
-H200 except where custom_calls/sparse_attention.py says otherwise (the p @ V wgmma takes
-its A operand from shared memory there). Lowering for CUDA is checked too (no GPU needed).
+On a machine without an sm_90 GPU the kernels run under Pallas' GPU interpret mode, which
+simulates the GPU's memories, warpgroups, barriers, TMA and wgmma on the CPU: the same kernel
+code path as on an H100 / H200 except where custom_calls/flash_decode.py says otherwise (the
+p @ V wgmma takes its A operand from shared memory there); on an H100 / H200 they run
+natively (`INTERPRET`).
+Lowering for CUDA is checked too (no GPU needed).
+
+Every interpret-mode test feeds bf16 operands (fp32 only where the contract says so: biases,
+sinks) and proves the kernel ran: its jaxpr holds a Pallas kernel launch in interpret mode
+(`pallas_kernels`), so a silent fallback to the XLA reference fails the test.
 """
 
+import functools
 import time
 
 import jax
@@ -28,6 +35,44 @@ pytestmark = pytest.mark.skipif(
     _IMPORT_ERROR is not None or not _common.interpret_available(),
     reason=f"Pallas Mosaic GPU interpret mode unavailable in this JAX: {_IMPORT_ERROR}")
 
+INTERPRET = _IMPORT_ERROR is not None or not _common.on_hopper()  # natively on sm_90
+
+_KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")  # plgpu.kernel binds mpmd_map in this JAX
+
+
+def _sub_jaxprs(value):
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+    elif hasattr(value, "eqns"):
+        yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+        yield value.jaxpr
+
+
+def pallas_kernels(fn, *args) -> list:
+    """The `interpret` parameter of every Pallas kernel launch in fn's jaxpr (nested too)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _KERNEL_PRIMITIVES:
+                found.append(eqn.params.get("interpret"))
+            for param in eqn.params.values():
+                for sub in _sub_jaxprs(param):
+                    walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def run_kernel(fn, *args):
+    """fn(*args) after checking that it launches a Pallas kernel (in interpret mode unless
+    the tests run on a Hopper GPU)."""
+    launches = pallas_kernels(fn, *args)
+    assert launches, "no Pallas kernel in the jaxpr: the call fell back to XLA"
+    assert all(bool(x) == INTERPRET for x in launches), f"interpret={INTERPRET}: {launches}"
+    return fn(*args)
+
 
 def _rel(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -45,12 +90,13 @@ def _grouped(seed, m, k, n, g, pad, empty=()):
 
 
 def test_registered_and_not_chosen_on_cpu():
-    for op in ("grouped_matmul", "sparse_attention"):
+    for op in ("grouped_matmul", "sparse_attention", "attention"):
         assert "mosaic_gpu" in kernels.implementations(op)
         fn = kernels._REGISTRY[op]["mosaic_gpu"]
-        assert fn.available() is False          # CPU: no sm_90 device
+        assert fn.available() is (not INTERPRET)
         assert kernels.choose(op, "cpu") == "xla"
-        assert kernels.choose(op, "gpu") == "xla"  # not available here, so the GPU falls back
+        # Without an sm_90 device the GPU preference falls back to XLA.
+        assert kernels.choose(op, "gpu") == ("xla" if INTERPRET else "mosaic_gpu")
 
 
 @pytest.mark.parametrize("m,k,n,g,pad,empty,blocks", [
@@ -60,7 +106,9 @@ def test_registered_and_not_chosen_on_cpu():
 ])
 def test_grouped_matmul_interpret(m, k, n, g, pad, empty, blocks):
     x, w, sizes = _grouped(m + k + n, m, k, n, g, pad, empty)
-    got = np.asarray(grouped_matmul_mgpu(x, w, sizes, interpret=True, **blocks).astype(jnp.float32))
+    assert x.dtype == w.dtype == jnp.bfloat16
+    fn = functools.partial(grouped_matmul_mgpu, interpret=INTERPRET, **blocks)
+    got = np.asarray(run_kernel(fn, x, w, sizes).astype(jnp.float32))
     want = np.asarray(kernels._grouped_matmul_xla(x, w, sizes).astype(jnp.float32))
     assert got.shape == want.shape and not np.isnan(got).any()
     assert _rel(got, want) < 1e-2
@@ -70,6 +118,7 @@ def test_grouped_matmul_interpret(m, k, n, g, pad, empty, blocks):
 def test_grouped_matmul_fp32_falls_back_to_reference():
     x, w, sizes = _grouped(0, 24, 16, 8, 3, 2)
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    assert pallas_kernels(grouped_matmul_mgpu, x, w, sizes) == []
     got = grouped_matmul_mgpu(x, w, sizes)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels._grouped_matmul_xla(x, w, sizes)))
 
@@ -95,7 +144,9 @@ def _sparse(seed, b, s, h, d, wk, n, k, dtype=jnp.bfloat16, mask_split=False):
 ])
 def test_sparse_attention_interpret(shape, splits):
     args = _sparse(sum(shape), *shape, mask_split=splits == 2)
-    got = np.asarray(sparse_attention_mgpu(*args, interpret=True, splits=splits).astype(jnp.float32))
+    assert args[0].dtype == args[1].dtype == args[3].dtype == jnp.bfloat16
+    fn = functools.partial(sparse_attention_mgpu, interpret=INTERPRET, splits=splits)
+    got = np.asarray(run_kernel(fn, *args).astype(jnp.float32))
     want = np.asarray(kernels._sparse_attention_xla(*args).astype(jnp.float32))
     assert got.shape == want.shape and not np.isnan(got).any()
     assert _rel(got, want) < 1e-2
@@ -103,6 +154,7 @@ def test_sparse_attention_interpret(shape, splits):
 
 def test_sparse_attention_unsupported_falls_back():
     args = _sparse(3, 1, 1, 4, 64, 8, 10, 6, dtype=jnp.float32)   # fp32, H=4, d=64
+    assert pallas_kernels(sparse_attention_mgpu, *args) == []
     got = sparse_attention_mgpu(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels._sparse_attention_xla(*args)))
 

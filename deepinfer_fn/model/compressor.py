@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_fn import kernels
 from deepinfer_fn.model.common import linear, rms_norm
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin
 
@@ -70,3 +71,36 @@ def compress_sequence(p, x, ratio: int, overlap: bool, freqs, eps: float):
     gate = gate[:, :used].reshape(B, n_rows, ratio, width)
     pooled = pool_windows(kappa, gate, overlap)
     return finish_rows(p, pooled, jnp.arange(n_rows), ratio, freqs, eps)
+
+
+def compressor_decode_step(params, x, position, rings, ratio: int, freqs, eps: float,
+                           active=None, row_floor=None):
+    """One decode token (S = 1) through all compressors of a layer at once (§2.6, §3.2):
+    `compressor_chunk` for S = 1, as the fused registry op `kernels.compressor_decode`.
+
+    params: tuple of compressor param dicts (CSA: (main, indexer); HCA: (main,));
+    x [B, D] (attention input); position [B] int32 (= start); rings: per compressor
+    (raw_kv [B, R, c*d], raw_gate [B, R, c*d] fp32), the layer's rings before this token;
+    active [B] bool (n_new > 0; default all); row_floor [B] (optional, as in
+    `compressor_chunk`). Returns one dict per compressor:
+      raw_kv [B, c*d], raw_gate [B, c*d] fp32: write at ring slot `slot`;
+      slot [B] int32: position % R, or R (out of range: write nothing) where not active;
+      row [B, d]: the row of window row_index = position // m; write it at `row_index`
+        only where `complete` (active, the token closes the window, above row_floor).
+    """
+    assert x.ndim == 2 and position.shape == x.shape[:1], (x.shape, position.shape)
+    assert len(params) == len(rings) >= 1
+    position = position.astype(jnp.int32)
+    active = jnp.ones(position.shape, bool) if active is None else active
+    row_index = position // ratio
+    complete = active & ((position + 1) % ratio == 0)
+    if row_floor is not None:
+        complete &= row_index >= row_floor // ratio
+    outs = kernels.compressor_decode(x, position, tuple(params), tuple(rings), ratio, freqs, eps)
+    steps = []
+    for (kappa, gate, row), (ring_kv, _) in zip(outs, rings):
+        slots = ring_kv.shape[1]
+        steps.append(dict(raw_kv=kappa, raw_gate=gate,
+                          slot=jnp.where(active, position % slots, slots).astype(jnp.int32),
+                          row=row, row_index=row_index, complete=complete))
+    return steps

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_fn import kernels
 from deepinfer_fn.model.common import linear
 from deepinfer_fn.model.rope import apply_rope
 
@@ -30,11 +31,9 @@ def index_scores(q_index, head_weights, index_rows):
 def top_k_rows(scores, visible, k: int):
     """Row indices [B,T,min(k,N)] of the best visible rows, -1 where a selected row is
     invisible: invisible rows are masked to -inf before top-k and dropped after (§4.5).
-    Ties go to the lower row index (lax.top_k)."""
-    k = min(k, scores.shape[-1])
-    masked = jnp.where(visible, scores, -jnp.inf)
-    _, idx = jax.lax.top_k(masked, k)
-    return jnp.where(jnp.take_along_axis(visible, idx, axis=-1), idx, -1).astype(jnp.int32)
+    Ties go to the lower row index. The registry op `kernels.top_k_rows` (its order of the
+    indices depends on the implementation; the set does not)."""
+    return kernels.top_k_rows(scores, visible, k)
 
 
 def select_top_k(scores, visible, k: int):

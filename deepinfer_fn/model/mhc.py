@@ -1,66 +1,45 @@
-"""Manifold-constrained hyper-connections: n residual streams mixed per sub-block (spec §2.3)."""
+"""Manifold-constrained hyper-connections: n residual streams mixed per sub-block (spec §2.3).
+
+`sublayer_pre` / `sublayer_post` are the two sides of a sub-block, each one registry op
+(`kernels.mhc_pre`, `kernels.mhc_post`: one fused kernel each where a Mosaic GPU kernel
+exists). The per-step functions (`mhc_weights`, `collapse`, `expand`, `head_collapse`) live in
+deepinfer_fn.model.mhc_math and are re-exported here.
+"""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from deepinfer_fn.model.common import einsum, rms
+from deepinfer_fn import kernels
+from deepinfer_fn.config import ModelConfig
+from deepinfer_fn.model.mhc_math import (collapse, expand, head_collapse, mhc_weights, sinkhorn,
+                                         stream_logits)
 
-
-def _stream_logits(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    """u = fn . rms(flatten(X)) for every token: [..., n, D] -> [..., n_out], fp32."""
-    flat = streams.reshape(*streams.shape[:-2], -1)
-    z = rms(flat, eps)
-    return jnp.matmul(z, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+__all__ = ["collapse", "expand", "head_collapse", "mhc_weights", "sinkhorn", "stream_logits",
+           "sublayer_pre", "sublayer_post"]
 
 
-def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
-    """Row softmax, then alternate column/row normalisation, ending on columns (§2.3 step 5).
+def sublayer_pre(hc, norm, streams: jax.Array, cfg: ModelConfig):
+    """mHC collapse + the sub-block's RMSNorm: streams [..., n, D] ->
+    (h [..., D] in streams' dtype, post [..., n] fp32, comb [..., n, n] fp32).
 
-    logits: [..., n, n] (row j, column k) -> P with columns summing to ~1.
+    hc: the module's {"fn", "base", "scale"}; norm: the RMSNorm weight [D].
     """
-    p = jax.nn.softmax(logits, axis=-1) + eps
-    p = p / (p.sum(axis=-2, keepdims=True) + eps)
-
-    def step(_, p):
-        p = p / (p.sum(axis=-1, keepdims=True) + eps)
-        return p / (p.sum(axis=-2, keepdims=True) + eps)
-
-    # Unrolled: as a loop, each of the 19 iterations would be separate tiny kernels (and, on
-    # GPU, a host round trip for the loop condition) in every mHC module of every step.
-    return jax.lax.fori_loop(0, iters - 1, step, p, unroll=True)
+    lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
+    if n != cfg.hc_mult or d != cfg.hidden_size:
+        raise ValueError(f"sublayer_pre: streams {streams.shape} do not end in "
+                         f"[hc_mult={cfg.hc_mult}, hidden_size={cfg.hidden_size}]")
+    h, post, comb = kernels.mhc_pre(streams.reshape(-1, n, d), hc["fn"], hc["base"], hc["scale"],
+                                    norm, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                                    norm_eps=cfg.rms_norm_eps)
+    return h.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
 
 
-def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float):
-    """(pre [..., n], post [..., n], comb [..., n, n]) of one mHC module, all fp32."""
-    u = _stream_logits(streams, fn, norm_eps)
-    base = base.astype(jnp.float32)
-    scale = scale.astype(jnp.float32)
-    pre = jax.nn.sigmoid(scale[0] * u[..., :n] + base[:n]) + hc_eps
-    post = 2.0 * jax.nn.sigmoid(scale[1] * u[..., n:2 * n] + base[n:2 * n])
-    comb_logits = scale[2] * u[..., 2 * n:] + base[2 * n:]
-    comb = sinkhorn(comb_logits.reshape(*u.shape[:-1], n, n), iters, hc_eps)
-    return pre, post, comb
-
-
-def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
-    """h = sum_j pre_j X_j in fp32, cast back to the stream dtype: [..., n, D] -> [..., D]."""
-    h = jnp.einsum("...n,...nd->...d", pre, streams.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-    return h.astype(streams.dtype)
-
-
-def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """X'_k = post_k y + sum_j P[j,k] X_j  (P^T X, not P X: §2.3 step 7, §4.13)."""
-    dtype = streams.dtype
-    mixed = einsum("...jk,...jd->...kd", comb, streams, out_dtype=jnp.float32, dtype=dtype)
-    out = post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)
-    return out.astype(dtype)
-
-
-def head_collapse(streams, fn, base, scale, *, hc_eps: float, norm_eps: float) -> jax.Array:
-    """Final collapse: pre_j = sigmoid(scale * (fn . z)_j + base_j) + eps, no Sinkhorn (§2.3)."""
-    u = _stream_logits(streams, fn, norm_eps)
-    pre = jax.nn.sigmoid(scale.astype(jnp.float32)[0] * u + base.astype(jnp.float32)) + hc_eps
-    return collapse(streams, pre)
+def sublayer_post(streams: jax.Array, y: jax.Array, post: jax.Array,
+                  comb: jax.Array) -> jax.Array:
+    """mHC expand: streams [..., n, D], y [..., D], post [..., n], comb [..., n, n] ->
+    new streams [..., n, D] (spec §2.3 step 7)."""
+    lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
+    out = kernels.mhc_post(streams.reshape(-1, n, d), y.reshape(-1, d), post.reshape(-1, n),
+                           comb.reshape(-1, n, n))
+    return out.reshape(streams.shape)

@@ -1,0 +1,290 @@
+"""Flash-decode attention kernel for Hopper in Pallas Mosaic GPU, shared by the attention ops.
+
+One softmax over a key list and a sink logit (spec §2.8), single KV head (K = V):
+
+    o[t, h] = sum_j p[t, h, j] keys[g(t), j],
+    p[t, h] = softmax([q[t, h] . keys[g(t)] / sqrt(d) + bias[t], sink[h]])
+
+with the sink's probability dropped; token t reads key group g(t) = t // tokens_per_key
+(`sparse_attention`: one gathered list a token; `attention`: one list per sequence, shared
+by its T query tokens).
+
+Kernel, grid (T, splits): a CTA streams its share of one token's keys through shared memory
+(TMA, `stages` deep, one producer warpgroup) and two consumer warpgroups do, per block of
+`block_k` keys, logits = q[H->64 rows, d] @ K^T (wgmma, each key loaded once for all H heads:
+MQA), an online softmax in fp32 (exp2), and o += p @ K[:, half] (K = V; each warpgroup owns
+d/2 output columns, so the fp32 accumulator is 64 x d/2 per warpgroup). It writes o / l and
+the log2-sum-exp; XLA then merges the splits together with the sink logit:
+out = sum_s w_s o_s / (sum_s w_s + 2^(sink2 - M)), w_s = 2^(lse_s - M).
+
+Geometry (`supported_geometry`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H a multiple
+of 8 and <= 64. Keys [G, Lk, d] need Lk <= 8 or a multiple of 8 (the tiled TMA layout);
+bias [T, L] with L a multiple of block_k * splits and L >= Lk: key rows past Lk are read as
+zeros by the copy engine, so the bias must be -inf there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from custom_calls._common import maybe_interpret, round_up
+
+LOG2E = math.log2(math.e)
+NUM_SMS = 132
+MAX_HEADS = 64
+_ROWS = 64  # wgmma M: heads padded to one warpgroup's 64 rows
+
+
+def supported_geometry(heads: int, head_dim: int, dtype) -> bool:
+    """Whether the kernel serves H heads of head_dim with keys of dtype."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim % 128 == 0 and head_dim <= 512 and heads % 8 == 0
+            and heads <= MAX_HEADS)
+
+
+def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: int, stages: int,
+                 interpret: bool, qk_split: bool):
+    """q [T,H,d], keys [G,Lk,d], bias [T,L] fp32 -> o [T,splits,H,d] (keys' dtype) and
+    lse2 [T,splits,64] fp32.
+
+    Token t reads keys[t // tokens_per_key]; key rows past Lk read as zeros (TMA fills them)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    t_count, h, d = q.shape
+    length = bias.shape[1]
+    dtype = keys.dtype
+    dh = d // 2
+    nblk = length // block_k // splits
+    assert nblk * block_k * splits == length
+    stages = max(1, min(stages, nblk))
+    scale2 = LOG2E / math.sqrt(d)
+
+    def kernel(q_ref, k_ref, b_ref, o_ref, lse_ref, scoped):
+        (q_smem, k_smem, b_smem, lse_smem), (k_bar, b_bar, q_bar), consumed, done = scoped[:4]
+        if qk_split:
+            x_smem, x_bar = scoped[4:6]
+        tok = lax.axis_index("t")
+        split = lax.axis_index("split")
+        wg = lax.axis_index("wg")
+        base = split * (nblk * block_k)
+        group = tok // tokens_per_key
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_bar.at[0])
+            plgpu.barrier_wait(q_bar.at[1])
+            m_i = plgpu.layout_cast(jnp.full((_ROWS,), -1e30, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((_ROWS, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(b_bar.at[slot])
+
+                if qk_split:
+                    # Each warpgroup contracts its own half of d; the two partial logit
+                    # tiles are summed through shared memory (no duplicated q @ K^T).
+                    def qk_half_scope(acc_ref):
+                        k_half = k_smem.at[slot, :, pl.ds(wg * dh, dh)]
+                        plgpu.wgmma(acc_ref, q_smem.at[wg], k_half.transpose((1, 0)))
+                        return acc_ref[...]
+                    part = pl.run_scoped(qk_half_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
+                    # One fp32 tile of shared memory (the budget is full): warpgroup 1 puts
+                    # its partial there, warpgroup 0 adds it and puts the sum back.
+                    load_x = lambda: plgpu.load(x_smem, layout=plgpu.Layout.WGMMA)
+
+                    @pl.when(wg == 1)
+                    def _():
+                        x_smem[...] = part
+                    plgpu.barrier_arrive(x_bar.at[0])
+                    plgpu.barrier_wait(x_bar.at[0])
+                    s = lax.cond(wg == 0, lambda: part + load_x(), lambda: part)
+
+                    @pl.when(wg == 0)
+                    def _():
+                        x_smem[...] = s
+                    plgpu.barrier_arrive(x_bar.at[1])
+                    plgpu.barrier_wait(x_bar.at[1])
+                    s = lax.cond(wg == 0, lambda: s, load_x)
+                else:
+                    def qk_scope(acc_ref):
+                        for half in range(2):
+                            k_half = k_smem.at[slot, :, pl.ds(half * dh, dh)]
+                            plgpu.wgmma(acc_ref, q_smem.at[half], k_half.transpose((1, 0)))
+                        return acc_ref[...]
+                    s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
+                bias2 = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                s = s * scale2 + lax.broadcast_in_dim(bias2 * LOG2E, s.shape, [1])
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+
+                v_half = k_smem.at[slot, :, pl.ds(wg * dh, dh)]
+                if interpret:
+                    # GPU interpret mode has no rule for run_state over an accumulator:
+                    # same arithmetic through a fresh accumulator (registers are free there).
+                    # Its wgmma also wants A in shared memory, not registers.
+                    p_smem = scoped[-1].at[wg]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def pv_fresh(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_half)
+                        return acc_ref[...]
+                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((_ROWS, dh), jnp.float32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_half)
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, nblk, step, (acc, m_i, l_i))
+            # Both warpgroups are done reading q_smem: reuse it for the output.
+            plgpu.barrier_arrive(done.at[0])
+            plgpu.barrier_wait(done.at[0])
+            l_safe = jnp.maximum(l_i, 1e-30)
+            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            o_smem = q_smem.at[wg]
+            o_smem[...] = out.astype(dtype)
+
+            @pl.when(wg == 0)
+            def _():
+                lse_smem[...] = m_i + jnp.log2(l_i)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, h)],
+                                    o_ref.at[tok, split, :, pl.ds(wg * dh, dh)])
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[tok, split])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for half in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[tok, :, pl.ds(half * dh, dh)],
+                                        q_smem.at[half, pl.ds(0, h)], q_bar.at[half])
+
+            def fetch(i, slot):
+                start = base + i * block_k
+                plgpu.copy_gmem_to_smem(k_ref.at[group, pl.ds(start, block_k)], k_smem.at[slot],
+                                        k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(b_ref.at[tok, pl.ds(start, block_k)], b_smem.at[slot],
+                                        b_bar.at[slot])
+
+            for i in range(stages):
+                fetch(i, i)
+
+            @pl.loop(stages, nblk)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(consumed.at[slot])
+                fetch(i, slot)
+
+            # Observe the last `stages` consumptions too (one a slot): every barrier phase
+            # is then seen by each thread that waits on it, as the interpret mode checks.
+            for slot in range(stages):
+                plgpu.barrier_wait(consumed.at[slot])
+
+    def entry(q_ref, k_ref, b_ref, o_ref, lse_ref):
+        tiling = plgpu.TilingTransform((8, 64))
+        swizzle = plgpu.SwizzleTransform(128)
+        smem = (
+            plgpu.SMEM((2, _ROWS, dh), dtype, transforms=(tiling, swizzle)),  # q halves, then o
+            plgpu.SMEM((stages, block_k, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((stages, block_k), jnp.float32),
+            plgpu.SMEM((_ROWS,), jnp.float32),
+        )
+        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2))
+        extra = ()
+        if qk_split:
+            extra += (plgpu.SMEM((_ROWS, block_k), jnp.float32,
+                                 transforms=(plgpu.TilingTransform((8, 32)), swizzle)),
+                      plgpu.Barrier(num_arrivals=2, num_barriers=2))
+        if interpret:
+            extra += (plgpu.SMEM((2, _ROWS, block_k), dtype, transforms=(tiling, swizzle)),)
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, b_ref, o_ref, lse_ref, scoped),
+            smem, bars,
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+            *extra,
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((t_count, splits, h, d), dtype),
+                  jax.ShapeDtypeStruct((t_count, splits, _ROWS), jnp.float32)),
+        grid=(t_count, splits),
+        grid_names=("t", "split"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, keys, bias)
+
+
+def choose_splits(tokens: int, nblk: int, num_sms: int = NUM_SMS) -> int:
+    """Split each token's keys over CTAs until about half the SMs are busy: the smallest
+    divisor of the block count with tokens * splits >= SMs / 2 (else all blocks). More
+    splits add partial outputs (H x d a split) to write and merge."""
+    for sp in range(1, nblk + 1):
+        if nblk % sp == 0 and tokens * sp >= num_sms // 2:
+            return sp
+    return nblk
+
+
+def plan(tokens: int, n_keys: int, block_k: int, splits: int | None, interpret: bool):
+    """(splits, L): the key splits a token and the padded key length L (bias columns).
+    L covers n_keys in whole blocks and is a multiple of block_k * splits."""
+    nblk = -(-n_keys // block_k)
+    if splits is None:
+        splits = choose_splits(tokens, nblk, 4 if interpret else NUM_SMS)
+    multiple = splits if nblk % splits else 1
+    return splits, round_up(nblk * block_k, block_k * multiple)
+
+
+def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, block_k: int = 64,
+                 stages: int = 2, qk_split: bool = True, interpret: bool = False):
+    """q [T,H,d]; keys [G,Lk,d] (K = V, G = T / tokens_per_key); bias [T,L] fp32 additive
+    (L a multiple of block_k * splits, -inf past Lk); sinks [H] fp32 -> o [T,H,d] in keys' dtype."""
+    t_count, h, d = q.shape
+    g, lk, d2 = keys.shape
+    if not supported_geometry(h, d, keys.dtype) or d2 != d:
+        raise ValueError(f"flash_decode: unsupported geometry q{q.shape} keys{keys.shape} "
+                         f"{keys.dtype}")
+    if g * tokens_per_key != t_count or bias.shape[0] != t_count:
+        raise ValueError(f"flash_decode: q{q.shape} bias{bias.shape} keys{keys.shape} "
+                         f"tokens_per_key={tokens_per_key} disagree")
+    if bias.shape[1] % (block_k * splits) or bias.shape[1] < lk or (lk > 8 and lk % 8):
+        raise ValueError(f"flash_decode: bias length {bias.shape[1]} / key length {lk} do not fit "
+                         f"block_k={block_k} x splits={splits}")
+    dtype = keys.dtype
+    with maybe_interpret(interpret):
+        o, lse2 = _kernel_call(q.astype(dtype), keys, bias.astype(jnp.float32),
+                               tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
+                               stages=stages, interpret=interpret, qk_split=qk_split)
+    lse2 = lse2[..., :h]                                     # [T, splits, H]
+    sink2 = sinks.astype(jnp.float32) * LOG2E                # [H]
+    mx = jnp.maximum(lse2.max(axis=1), sink2[None])          # [T, H]
+    wts = jnp.exp2(lse2 - mx[:, None])                       # [T, splits, H]
+    den = wts.sum(axis=1) + jnp.exp2(sink2[None] - mx)       # [T, H]
+    # A broadcast-multiply-reduce (one fusion), not a dot: cuBLAS would add launches.
+    out = (wts[..., None] * o.astype(jnp.float32)).sum(axis=1) / den[..., None]
+    return out.astype(dtype)

@@ -1,0 +1,358 @@
+"""mHC sides of a sub-block for Hopper in Pallas Mosaic GPU (`mhc_pre` / `mhc_post`, mosaic_gpu).
+
+Contracts: deepinfer_fn.kernels.mhc_pre / mhc_post (spec §2.3, §2.2). One kernel a side.
+
+Pre side, one CTA (one warpgroup) per block of 64 tokens, two pipelined passes over D:
+1. per 64-column step and stream j: u^T += F_j^T X_j^T on the tensor cores (wgmma, fp32
+   accumulation; gate columns as M, tokens as N), and the token's Gram matrix
+   G[j,k] = <X_j, X_k> in registers. The fp32 mixing weights enter as two bf16 halves,
+   F = [hi | lo] (hi = fn's top 16 bits, lo = bf16(fn - hi), 24 columns each padded to 32,
+   built by `prepare_fn` in XLA): X is bf16, so X @ hi + X @ lo carries fn to 16 mantissa
+   bits (relative error ~1e-5 against HIGHEST's fp32).
+   u^T goes through shared memory, so that each gate column comes back as a 64-token vector
+   in the row layout of the stream tiles. Then, per token, elementwise on those vectors:
+   rms(flatten(X)) from trace(G), the gates, the Sinkhorn iterations (a loop inside the
+   kernel), and the collapsed stream's RMS from the Gram matrix, sum_jk pre_j pre_k G[j,k]
+   (the reference takes it after rounding h to bf16: the two differ by ~1e-5 relative).
+2. h = sum_j pre_j X_j, rounded to bf16, times the RMS and the norm weight: written out.
+   The gates go out transposed, gates^T [n_out, blocks * 64] fp32 (pre 0:n, post n:2n,
+   comb 2n:); the wrapper transposes post and comb back and mhc_post_mgpu transposes them
+   again, a pair XLA cancels.
+Post side, grid (token blocks, column splits), a pipelined pass over its columns:
+X'_k = post_k y + sum_j comb[j,k] X_j with the reference's bf16 roundings (comb and post
+rounded to bf16, the product and the mix each rounded, then their sum).
+
+Supported: bf16 streams, n * (n + 2) <= 32 (n = 4: 24), D a multiple of 64. Anything else
+falls back to the XLA reference. Tokens need not fill the last block: loads past N read
+zeros and stores past N are dropped by the copy engine; only a token count above 8 that
+is not a multiple of 8 is padded (TMA on the tiled layout wants <= 8 or a multiple of 8 rows:
+a copy of the streams, so keep N a multiple of 8 in prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from custom_calls._common import maybe_interpret, on_hopper, round_up
+from deepinfer_fn.model.common import rms_norm
+from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
+
+TOK = 64        # tokens a CTA: the wgmma M
+COLS = 64       # stream columns a pipeline step (128 bytes of bf16: one swizzle atom)
+GATES = 32      # gate columns, padded: pre, post, comb, zeros
+NUM_SMS = 132
+
+
+def supported(streams) -> bool:
+    n, d = streams.shape[-2:]
+    return streams.dtype == jnp.bfloat16 and d % COLS == 0 and (2 + n) * n <= GATES
+
+
+def _pad_tokens(x: jax.Array) -> jax.Array:
+    """TMA on the tiled layout wants a token count <= 8 or a multiple of 8: pad rows then."""
+    ntok = x.shape[0]
+    padded = ntok if ntok <= 8 else round_up(ntok, 8)
+    if padded == ntok:
+        return x
+    return jnp.pad(x, ((0, padded - ntok),) + ((0, 0),) * (x.ndim - 1))
+
+
+def prepare_fn(fn: jax.Array) -> jax.Array:
+    """fn [n*D, n_out] fp32 -> [n*D, 2 * GATES] bf16 = [hi, 0 | lo, 0] with hi + lo ~ fn.
+
+    hi keeps fn's top 16 bits (a bf16 value, by masking: XLA on GPU may drop an
+    f32 -> bf16 -> f32 round trip under its default excess-precision rule, which would make
+    lo zero), lo = bf16(fn - hi): |hi + lo - fn| <= 2^-16 |fn|.
+    """
+    f = fn.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(f, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    hi = lax.bitcast_convert_type(bits, jnp.float32)
+    lo = (f - hi).astype(jnp.bfloat16)
+    pad = ((0, 0), (0, GATES - f.shape[1]))
+    return jnp.concatenate([jnp.pad(hi.astype(jnp.bfloat16), pad), jnp.pad(lo, pad)], axis=1)
+
+
+def _bf16_transforms():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _f32_transforms():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+def _round(x, dtype):
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _gates(u, scale, base, n: int, iters: int, hc_eps: float):
+    """Per-token gates from the logits u (list of n_out token vectors): pre, post, comb[j][k]."""
+    pre = [_sigmoid(scale[0] * u[j] + base[j]) + hc_eps for j in range(n)]
+    post = [2.0 * _sigmoid(scale[1] * u[n + j] + base[n + j]) for j in range(n)]
+    m = [[scale[2] * u[2 * n + n * j + k] + base[2 * n + n * j + k] for k in range(n)]
+         for j in range(n)]
+    # Row softmax + eps, then columns; then (rows, columns) iters - 1 times (§2.3 step 5).
+    p = []
+    for j in range(n):
+        mx = functools.reduce(jnp.maximum, m[j])
+        e = [jnp.exp(v - mx) for v in m[j]]
+        s = functools.reduce(lambda a, b: a + b, e)
+        p.append([v / s + hc_eps for v in e])
+
+    def cols(p):
+        c = [functools.reduce(lambda a, b: a + b, [p[j][k] for j in range(n)]) + hc_eps
+             for k in range(n)]
+        return [[p[j][k] / c[k] for k in range(n)] for j in range(n)]
+
+    def rows(p):
+        r = [functools.reduce(lambda a, b: a + b, p[j]) + hc_eps for j in range(n)]
+        return [[p[j][k] / r[j] for k in range(n)] for j in range(n)]
+
+    flat = lambda p: tuple(v for r in p for v in r)
+    unflat = lambda f: [list(f[n * j:n * j + n]) for j in range(n)]
+    # A loop inside the kernel is free of launches: no need to unroll it.
+    p = lax.fori_loop(0, iters - 1, lambda _, f: flat(cols(rows(unflat(f)))), flat(cols(p)))
+    return pre, post, unflat(p)
+
+
+def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps: float,
+              norm_eps: float, stages: int):
+    """x2 [N, n*D] bf16, fprep [n*D, 64] bf16 -> h [N, D] bf16, gates^T [n_out, blocks * 64]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ntok, nd = x2.shape
+    d = nd // n
+    nk = d // COLS
+    n_out = (2 + n) * n
+    nblk = -(-ntok // TOK)
+    wgmma_l = plgpu.Layout.WGMMA
+    row_l, col_l = wgmma_l.reduce(1), wgmma_l.reduce(0)
+    pairs = [(a, b) for a in range(n) for b in range(a, n)]
+    bf16_t = _bf16_transforms()
+    tshape = (TOK, COLS)
+
+    def bcast_rows(v):      # token vector [TOK] -> [TOK, COLS]
+        return lax.broadcast_in_dim(v, tshape, [0])
+
+    def mix_step(acc_ref, _, *refs):
+        """u^T [64 gate columns (hi, lo), TOK] += F_j^T X_j^T; Gram sums in registers."""
+        *refs, carry = refs
+        xs, fs = refs[:n], refs[n:]
+        for j in range(n):
+            plgpu.wgmma(acc_ref, fs[j].transpose((1, 0)), xs[j].transpose((1, 0)))
+        xv = [plgpu.load(r, layout=wgmma_l).astype(jnp.float32) for r in xs]
+        out = tuple(g + (xv[a] * xv[b]).sum(axis=1) for g, (a, b) in zip(carry, pairs))
+        plgpu.wgmma_wait(0)
+        return out
+
+    def body(x_ref, f_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
+        blk = lax.axis_index("b")
+        zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
+
+        def mix(acc_ref):
+            gram = plgpu.emit_pipeline(
+                functools.partial(mix_step, acc_ref), grid=(nk,),
+                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + k),
+                                          transforms=bf16_t) for j in range(n)]
+                         + [plgpu.BlockSpec((COLS, 2 * GATES), lambda k, j=j: (j * nk + k, 0),
+                                            transforms=bf16_t) for j in range(n)],
+                max_concurrent_steps=stages, init_carry=(zero,) * len(pairs),
+            )(*([x_ref] * n), *([f_ref] * n))
+            return acc_ref[...], gram
+
+        acc, gram = pl.run_scoped(mix, plgpu.ACC((2 * GATES, TOK), jnp.float32))
+        gram = dict(zip(pairs, gram))
+
+        def tail(u_smem, g_smem, o_smem):
+            u_smem[...] = acc
+            plgpu.commit_smem()
+            ssq = functools.reduce(lambda a, b: a + b, [gram[(j, j)] for j in range(n)])
+            inv_x = lax.rsqrt(ssq * (1.0 / nd) + norm_eps)
+            u = [(plgpu.load(u_smem.at[c], layout=row_l)
+                  + plgpu.load(u_smem.at[GATES + c], layout=row_l)) * inv_x for c in range(n_out)]
+            sc = [scale_ref[i] for i in range(3)]
+            bs = [base_ref[c] for c in range(n_out)]
+            pre, post, comb = _gates(u, sc, bs, n, iters, hc_eps)
+            for c, v in enumerate(pre + post + [comb[j][k] for j in range(n) for k in range(n)]):
+                g_smem.at[c][...] = v
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(g_smem, g_ref.at[:, pl.ds(blk * TOK, TOK)])
+
+            ssq_h = functools.reduce(lambda a, b: a + b, [
+                (1.0 if a == b else 2.0) * pre[a] * pre[b] * gram[(a, b)] for a, b in pairs])
+            inv_h = bcast_rows(lax.rsqrt(ssq_h * (1.0 / d) + norm_eps))
+            pre_b = [bcast_rows(v) for v in pre]
+
+            def collapse_step(idx, *refs):
+                xs, w_smem = refs[:n], refs[n]
+                k = idx[0]
+                slot = lax.rem(k, 2)
+                h = functools.reduce(lambda a, b: a + b, [
+                    pre_b[j] * plgpu.load(xs[j], layout=wgmma_l).astype(jnp.float32)
+                    for j in range(n)])
+                w = plgpu.load(w_smem, layout=col_l).astype(jnp.float32)
+                o = lax.broadcast_in_dim(w, tshape, [1]) * (_round(h, x_ref.dtype) * inv_h)
+                # The store issued two steps ago read this slot: wait for it (one may stay).
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                o_smem.at[slot][...] = o.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[slot],
+                                        h_ref.at[pl.ds(blk * TOK, TOK), pl.ds(k * COLS, COLS)])
+
+            plgpu.emit_pipeline(
+                collapse_step, grid=(nk,),
+                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + k),
+                                          transforms=bf16_t) for j in range(n)]
+                         + [plgpu.BlockSpec((COLS,), lambda k: (k,))],
+                max_concurrent_steps=2,
+            )(*([x_ref] * n), w_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(tail,
+                      plgpu.SMEM((2 * GATES, TOK), jnp.float32),
+                      plgpu.SMEM((n_out, TOK), jnp.float32),
+                      plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=bf16_t))
+
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((ntok, d), x2.dtype),
+                  jax.ShapeDtypeStruct((n_out, nblk * TOK), jnp.float32)),
+        grid=(nblk,),
+        grid_names=("b",),
+    )(x2, fprep, norm_weight, base, scale)
+
+
+def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: float,
+                 norm_eps: float, interpret: bool = False, stages: int = 3):
+    """Registry signature of `mhc_pre`; unsupported inputs go to the XLA reference."""
+    if not supported(streams):
+        pre, post, comb = mhc_weights(streams, fn, base, scale, n=streams.shape[-2],
+                                      iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
+    ntok, n, d = streams.shape
+    x2 = _pad_tokens(streams.reshape(ntok, n * d))
+    with maybe_interpret(interpret):
+        h, gt = _pre_call(x2, prepare_fn(fn), norm_weight, base.astype(jnp.float32),
+                          scale.astype(jnp.float32), n=n, iters=iters, hc_eps=hc_eps,
+                          norm_eps=norm_eps, stages=stages)
+    # Transposed back here; mhc_post_mgpu transposes again, and XLA cancels the pair.
+    post = gt[n:2 * n, :ntok].T
+    comb = gt[2 * n:, :ntok].T.reshape(ntok, n, n)
+    return h[:ntok], post, comb
+
+
+def choose_splits(nblk: int, nk: int, num_sms: int = NUM_SMS) -> int:
+    """Column splits of the post side: the largest divisor of the step count with at most
+    two CTAs an SM."""
+    best = 1
+    for sp in range(1, nk + 1):
+        if nk % sp == 0 and nblk * sp <= 2 * num_sms:
+            best = sp
+    return best
+
+
+def _post_call(x2, y, gt, *, n: int, splits: int):
+    """x2 [N, n*D] bf16, y [N, D], gt [n + n*n, blocks * 64] fp32 (post^T, comb^T) -> [N, n*D]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ntok, nd = x2.shape
+    d = nd // n
+    nk = d // COLS
+    per = nk // splits
+    nblk = -(-ntok // TOK)
+    dtype = x2.dtype
+    wgmma_l = plgpu.Layout.WGMMA
+    row_l = wgmma_l.reduce(1)
+    bf16_t = _bf16_transforms()
+    tshape = (TOK, COLS)
+
+    def body(x_ref, y_ref, g_ref, o_ref, g_smem, o_smem, bar):
+        blk = lax.axis_index("b")
+        split = lax.axis_index("s")
+        plgpu.copy_gmem_to_smem(g_ref.at[:, pl.ds(blk * TOK, TOK)], g_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+
+        def gate(c):   # rounded to the stream dtype, as the reference feeds it
+            v = _round(plgpu.load(g_smem.at[c], layout=row_l), dtype)
+            return lax.broadcast_in_dim(v, tshape, [0])
+
+        post = [gate(k) for k in range(n)]
+        comb = [[gate(n + n * j + k) for k in range(n)] for j in range(n)]
+        base = split * per
+
+        def step(idx, *refs):
+            xs, y_smem = refs[:n], refs[n]
+            k = base + idx[0]
+            slot = lax.rem(idx[0], 2)
+            xv = [plgpu.load(r, layout=wgmma_l).astype(jnp.float32) for r in xs]
+            yv = plgpu.load(y_smem, layout=wgmma_l).astype(jnp.float32)
+            # The n stores issued two steps ago read this slot: wait for them.
+            plgpu.wait_smem_to_gmem(n, wait_read_only=True)
+            for kk in range(n):
+                mixed = functools.reduce(lambda a, b: a + b,
+                                         [comb[j][kk] * xv[j] for j in range(n)])
+                out = _round(post[kk] * yv, dtype) + _round(mixed, dtype)
+                o_smem.at[slot, kk][...] = out.astype(dtype)
+            plgpu.commit_smem()
+            for kk in range(n):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[slot, kk],
+                    o_ref.at[pl.ds(blk * TOK, TOK), pl.ds((kk * nk + k) * COLS, COLS)])
+
+        plgpu.emit_pipeline(
+            step, grid=(per,),
+            in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + base + k),
+                                      transforms=bf16_t) for j in range(n)]
+                     + [plgpu.BlockSpec(tshape, lambda k: (blk, base + k), transforms=bf16_t)],
+            max_concurrent_steps=2,
+        )(*([x_ref] * n), y_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    def entry(x_ref, y_ref, g_ref, o_ref):
+        pl.run_scoped(
+            lambda *s: body(x_ref, y_ref, g_ref, o_ref, *s),
+            plgpu.SMEM((gt.shape[0], TOK), jnp.float32),
+            plgpu.SMEM((2, n, TOK, COLS), dtype, transforms=bf16_t),
+            plgpu.Barrier(num_barriers=1),
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((ntok, nd), dtype),
+        grid=(nblk, splits),
+        grid_names=("b", "s"),
+    )(x2, y, gt)
+
+
+def mhc_post_mgpu(streams, y, post, comb, *, interpret: bool = False,
+                  splits: int | None = None):
+    """Registry signature of `mhc_post`; unsupported inputs go to the XLA reference."""
+    if not supported(streams):
+        return expand(streams, y, post, comb)
+    ntok, n, d = streams.shape
+    nk = d // COLS
+    nblk = -(-ntok // TOK)
+    if splits is None:
+        splits = choose_splits(nblk, nk, 4 if interpret else NUM_SMS)
+    gt = jnp.concatenate([post.astype(jnp.float32).T,
+                          comb.astype(jnp.float32).reshape(ntok, n * n).T], axis=0)
+    gt = jnp.pad(gt, ((0, 0), (0, nblk * TOK - ntok)))
+    with maybe_interpret(interpret):
+        out = _post_call(_pad_tokens(streams.reshape(ntok, n * d)),
+                         _pad_tokens(y.astype(streams.dtype)), gt, n=n, splits=splits)
+    return out[:ntok].reshape(ntok, n, d)
+
+
+mhc_pre_mgpu.available = on_hopper
+mhc_post_mgpu.available = on_hopper

@@ -1,0 +1,71 @@
+"""mHC math of one module: mixing weights, Sinkhorn, collapse, expand (spec §2.3).
+
+Pure functions on arrays, importable by the kernel registry (deepinfer_fn.kernels holds the
+registered `mhc_pre` / `mhc_post` ops built from these); deepinfer_fn.model.mhc is the
+model-facing layer on top.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn.model.common import einsum, rms
+
+
+def stream_logits(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    """u = fn . rms(flatten(X)) for every token: [..., n, D] -> [..., n_out], fp32."""
+    flat = streams.reshape(*streams.shape[:-2], -1)
+    z = rms(flat, eps)
+    return jnp.matmul(z, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax, then alternate column/row normalisation, ending on columns (§2.3 step 5).
+
+    logits: [..., n, n] (row j, column k) -> P with columns summing to ~1.
+    """
+    p = jax.nn.softmax(logits, axis=-1) + eps
+    p = p / (p.sum(axis=-2, keepdims=True) + eps)
+
+    def step(_, p):
+        p = p / (p.sum(axis=-1, keepdims=True) + eps)
+        return p / (p.sum(axis=-2, keepdims=True) + eps)
+
+    # Unrolled: as a loop, each of the 19 iterations would be separate tiny kernels (and, on
+    # GPU, a host round trip for the loop condition) in every mHC module of every step.
+    return jax.lax.fori_loop(0, iters - 1, step, p, unroll=True)
+
+
+def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float):
+    """(pre [..., n], post [..., n], comb [..., n, n]) of one mHC module, all fp32 (§2.3 1-5)."""
+    u = stream_logits(streams, fn, norm_eps)
+    base = base.astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
+    pre = jax.nn.sigmoid(scale[0] * u[..., :n] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(scale[1] * u[..., n:2 * n] + base[n:2 * n])
+    comb_logits = scale[2] * u[..., 2 * n:] + base[2 * n:]
+    comb = sinkhorn(comb_logits.reshape(*u.shape[:-1], n, n), iters, hc_eps)
+    return pre, post, comb
+
+
+def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
+    """h = sum_j pre_j X_j in fp32, cast back to the stream dtype: [..., n, D] -> [..., D]."""
+    h = jnp.einsum("...n,...nd->...d", pre, streams.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return h.astype(streams.dtype)
+
+
+def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_k = post_k y + sum_j P[j,k] X_j  (P^T X, not P X: §2.3 step 7, §4.13)."""
+    dtype = streams.dtype
+    mixed = einsum("...jk,...jd->...kd", comb, streams, out_dtype=jnp.float32, dtype=dtype)
+    out = post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)
+    return out.astype(dtype)
+
+
+def head_collapse(streams, fn, base, scale, *, hc_eps: float, norm_eps: float) -> jax.Array:
+    """Final collapse: pre_j = sigmoid(scale * (fn . z)_j + base_j) + eps, no Sinkhorn (§2.3)."""
+    u = stream_logits(streams, fn, norm_eps)
+    pre = jax.nn.sigmoid(scale.astype(jnp.float32)[0] * u + base.astype(jnp.float32)) + hc_eps
+    return collapse(streams, pre)

@@ -1,0 +1,146 @@
+"""mHC registry ops (`mhc_pre`, `mhc_post`, spec §2.3): the XLA reference against the model's
+per-step functions, and the Mosaic GPU kernels (custom_calls/mhc.py) against the reference in
+Pallas' GPU interpret mode on CPU with bf16 inputs, plus their lowering for CUDA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_fn import kernels
+from deepinfer_fn.config import ModelConfig
+from deepinfer_fn.model import mhc
+from deepinfer_fn.model.common import rms_norm
+
+kernels._ensure_custom_calls_loaded()
+try:
+    from custom_calls import _common
+    from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu
+    _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+    _IMPORT_ERROR = e
+
+needs_interpret = pytest.mark.skipif(
+    _IMPORT_ERROR is not None or not _common.interpret_available(),
+    reason=f"Pallas Mosaic GPU interpret mode unavailable in this JAX: {_IMPORT_ERROR}")
+
+KW = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _inputs(seed, ntok, d, dtype, n=4):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((ntok, n, d)), dtype)
+    fn = jnp.asarray(rng.standard_normal((n * d, (2 + n) * n)) * (2.0 / np.sqrt(n * d)),
+                     jnp.float32)
+    base = jnp.asarray(rng.standard_normal((2 + n) * n) * 0.5, jnp.float32)
+    scale = jnp.asarray([0.8, 1.1, 1.5], jnp.float32)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(d), dtype)
+    y = jnp.asarray(rng.standard_normal((ntok, d)), dtype)
+    return x, fn, base, scale, w, y
+
+
+def test_xla_reference_is_the_model_math():
+    x, fn, base, scale, w, y = _inputs(0, 6, 16, jnp.float32)
+    h, post, comb = kernels.mhc_pre(x, fn, base, scale, w, **KW)
+    pre, post0, comb0 = mhc.mhc_weights(x, fn, base, scale, n=4, **KW)
+    np.testing.assert_allclose(h, rms_norm(mhc.collapse(x, pre), w, 1e-6), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(post, post0, rtol=1e-6)
+    np.testing.assert_allclose(comb, comb0, rtol=1e-6)
+    np.testing.assert_allclose(kernels.mhc_post(x, y, post, comb), mhc.expand(x, y, post, comb),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_sublayer_helpers_keep_leading_axes():
+    cfg = ModelConfig.preset("tiny")
+    n, d = cfg.hc_mult, cfg.hidden_size
+    x, fn, base, scale, w, _ = _inputs(1, 6, d, jnp.float32, n)
+    streams = x.reshape(2, 3, n, d)
+    hc = {"fn": fn, "base": base, "scale": scale}
+    h, post, comb = mhc.sublayer_pre(hc, w, streams, cfg)
+    assert h.shape == (2, 3, d) and post.shape == (2, 3, n) and comb.shape == (2, 3, n, n)
+    out = mhc.sublayer_post(streams, 2 * h, post, comb)
+    np.testing.assert_allclose(out, mhc.expand(streams, 2 * h, post, comb), rtol=1e-6, atol=1e-6)
+
+
+def test_registered_and_not_chosen_on_cpu():
+    for op in ("mhc_pre", "mhc_post"):
+        assert {"xla", "mosaic_gpu", "sm100", "ascend"} <= set(kernels.implementations(op))
+        assert kernels._REGISTRY[op]["mosaic_gpu"].available() is False
+        assert kernels.choose(op, "cpu") == "xla"
+
+
+def _ran_kernel(fn, *args) -> bool:
+    """The traced program holds a Pallas kernel (plgpu.kernel binds mpmd_map in this JAX)."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    return "pallas_call" in text or "mpmd_map" in text
+
+
+def _pre(x, fn, base, scale, w):
+    return mhc_pre_mgpu(x, fn, base, scale, w, interpret=True, **KW)
+
+
+def _post(x, y, post, comb):
+    return mhc_post_mgpu(x, y, post, comb, interpret=True)
+
+
+@needs_interpret
+@pytest.mark.parametrize("ntok,d", [(1, 128), (16, 256), (130, 128)])
+def test_mhc_kernels_interpret(ntok, d):
+    """Decode (one CTA, rows past N) and a prefill tile with a remainder (3 CTAs)."""
+    x, fn, base, scale, w, y = _inputs(ntok + d, ntok, d, jnp.bfloat16)
+    assert _ran_kernel(_pre, x, fn, base, scale, w)
+    h, post, comb = _pre(x, fn, base, scale, w)
+    h0, post0, comb0 = kernels._mhc_pre_xla(x, fn, base, scale, w, **KW)
+    assert h.dtype == jnp.bfloat16 and h.shape == h0.shape
+    assert _rel(h, h0) < 1e-2
+    np.testing.assert_allclose(post, post0, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(comb, comb0, rtol=1e-4, atol=1e-5)
+
+    assert _ran_kernel(_post, x, y, post0, comb0)
+    out = _post(x, y, post0, comb0)
+    want = kernels._mhc_post_xla(x, y, post0, comb0)
+    assert out.dtype == jnp.bfloat16
+    assert _rel(out, want) < 1e-3   # same bf16 roundings as the reference
+
+
+def test_prepared_weights_keep_fp32_precision():
+    """The kernel's [hi | lo] bf16 halves of fn reproduce it to 2^-16 relative."""
+    from custom_calls.mhc import GATES, prepare_fn
+    fn = _inputs(3, 1, 64, jnp.bfloat16)[1]
+    f = np.asarray(prepare_fn(fn).astype(jnp.float32))
+    back = f[:, :24] + f[:, GATES:GATES + 24]
+    assert np.all(np.abs(back - np.asarray(fn)) <= 2.0 ** -16 * np.abs(np.asarray(fn)))
+    assert np.all(f[:, 24:GATES] == 0) and np.abs(f[:, GATES:]).max() > 0
+
+
+def test_unsupported_falls_back_to_reference():
+    x, fn, base, scale, w, y = _inputs(2, 3, 64, jnp.float32)   # fp32 streams
+    assert not _ran_kernel(functools.partial(mhc_pre_mgpu, **KW), x, fn, base, scale, w)
+    got = mhc_pre_mgpu(x, fn, base, scale, w, **KW)
+    want = kernels._mhc_pre_xla(x, fn, base, scale, w, **KW)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(mhc_post_mgpu(x, y, want[1], want[2])),
+                                  np.asarray(kernels._mhc_post_xla(x, y, want[1], want[2])))
+
+
+@needs_interpret
+def test_mhc_kernels_lower_for_cuda():
+    """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) on a mini-sized D."""
+    sd = jax.ShapeDtypeStruct
+    n, d, ntok = 4, 2048, 65
+    pre = jax.export.export(jax.jit(functools.partial(mhc_pre_mgpu, **KW)), platforms=["cuda"])(
+        sd((ntok, n, d), jnp.bfloat16), sd((n * d, 24), jnp.float32), sd((24,), jnp.float32),
+        sd((3,), jnp.float32), sd((d,), jnp.bfloat16))
+    post = jax.export.export(jax.jit(mhc_post_mgpu), platforms=["cuda"])(
+        sd((ntok, n, d), jnp.bfloat16), sd((ntok, d), jnp.bfloat16), sd((ntok, n), jnp.float32),
+        sd((ntok, n, n), jnp.float32))
+    for e in (pre, post):
+        assert "mosaic_gpu" in e.mlir_module()
