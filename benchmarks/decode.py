@@ -31,7 +31,7 @@ import numpy as np
 import deepinfer_fn as di
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, SWA
-from deepinfer_fn.generate import _decode_block
+from deepinfer_fn.generate import _decode_block, stop_array
 from deepinfer_fn.params import Params, is_spec, leaf_dtype, param_specs
 from deepinfer_fn.sampling import sampling_params
 from deepinfer_fn.state import init_state
@@ -56,24 +56,27 @@ def device_params(cfg, dtype=jnp.bfloat16, seed=0) -> Params:
 
 
 def filled_state(cfg, batch, context, dtype, seed=1):
-    """A decode state holding `context` tokens per row (random rows, full window ring)."""
+    """A decode state holding `context` tokens per row (random rows, full window ring), in the
+    params' layer grouping (stacked leaves of scanned groups: batch axis 1)."""
     st = init_state(cfg, batch, context + 256, dtype=dtype)
-    key = jax.random.key(seed)
-    layers = []
-    for lt, layer in zip(cfg.layer_types, st.layers):
+    keys = iter(jax.random.split(jax.random.key(seed), 4096))
+
+    def fill(scanned, layer):
         new = {}
         for name, arr in layer.items():
-            key, k = jax.random.split(key)
+            k = next(keys)
             if name == "window_pos":
-                slots = arr.shape[1]
+                slots = arr.shape[-1]
                 pos = context - slots + jnp.arange(slots)
                 new[name] = jnp.broadcast_to(pos[jnp.argsort(pos % slots)], arr.shape).astype(jnp.int32)
             elif name.endswith("raw_gate"):
                 new[name] = jax.random.normal(k, arr.shape, arr.dtype)
             else:
                 new[name] = (0.5 * jax.random.normal(k, arr.shape, jnp.float32)).astype(arr.dtype)
-        layers.append(new)
-    return type(st)(tuple(layers), jnp.full((batch,), context, jnp.int32), st.max_len, st.window_slots)
+        return new
+
+    return type(st)(st.layers.map_blocks(fill), jnp.full((batch,), context, jnp.int32),
+                    st.max_len, st.window_slots)
 
 
 def step_bytes(cfg, batch, context, itemsize=2) -> dict:
@@ -130,7 +133,7 @@ def bench_point(params, batch, context, steps, reps):
     done = jnp.zeros((batch,), bool)
     sp = sampling_params(batch)
     pad = jnp.int32(0)
-    run = lambda st, lg: _decode_block(params, st, lg, done, sp, pad, n=steps, stop_tokens=(),
+    run = lambda st, lg: _decode_block(params, st, lg, done, sp, pad, n=steps, stops=stop_array(()),
                                        feed_last=True)
     t0 = time.perf_counter()
     out = run(state, logits)

@@ -69,6 +69,9 @@ class ModelConfig:
     fp8_block: tuple[int, int] = (128, 128)
     fp4_group: int = 32
     numerics: str = "parity"
+    # Runtime layout, not a model hyper-parameter (never written by `to_hf`): False runs every
+    # layer unrolled instead of scanning the repeated layer groups (`layer_groups.py`).
+    scan_layers: bool = True
 
     def __post_init__(self):
         self.validate()

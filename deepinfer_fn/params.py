@@ -5,6 +5,11 @@ structure as the weights. Internal layout is `x @ W`: every matrix is stored `[i
 (the checkpoint's `[out, in]` transposed at load), routed experts are stacked `[E, in, out]`,
 and `wo_a` is `[G, H/G * d, R_o]` (spec/model.md §2.8). Each spec names its checkpoint tensor
 (official name, §5.2) and the format the official checkpoint stores it in (§5.3).
+
+`params["layers"]` is a `layer_groups.LayerStack`: the layers of a scanned group are stacked
+along a leading axis named "layers" (specs, arrays alike); `params["layers"][i]` is layer i's
+dict. `init_params` draws every layer's values exactly as for the per-layer tree
+(`unstacked_specs`), then stacks them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_fn.config import CSA, HASH_MOE, HCA, SWA, ModelConfig
+from deepinfer_fn.layer_groups import LayerStack, as_stack, layer_groups
 
 # Checkpoint storage formats of the official release (§5.3).
 FP8, FP4, BF16, F32, I64 = "fp8", "fp4", "bf16", "f32", "i64"
@@ -46,6 +52,40 @@ class Spec:
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.ckpt, self.shape, self.axes)
 
+    @property
+    def stacked(self) -> bool:
+        """A scanned group's weight: leading axis "layers" over the group's repeats."""
+        return self.axes[:1] == (LAYERS_AXIS,)
+
+    def unstack(self) -> "Spec":
+        """The spec of one layer of a stacked weight."""
+        assert self.stacked, self
+        return dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:])
+
+
+LAYERS_AXIS = "layers"
+
+
+def stack_specs(specs) -> Spec:
+    """One stacked spec (leading "layers" axis) for the same weight of several layers."""
+    s = specs[0]
+    assert all(x.shape == s.shape and x.axes == s.axes for x in specs), specs
+    return dataclasses.replace(s, shape=(len(specs),) + s.shape, axes=(LAYERS_AXIS,) + s.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedPrefix:
+    """The checkpoint prefixes ('layers.3.', ...) of a stacked weight, one per repeat."""
+
+    prefixes: tuple[str, ...]
+
+
+def per_layer(spec: Spec, prefix) -> list[tuple[Spec, str]]:
+    """(per-layer spec, checkpoint prefix) of each layer a (possibly stacked) weight holds."""
+    if spec.stacked:
+        return [(spec.unstack(), p) for p in prefix.prefixes]
+    return [(spec, prefix)]
+
 
 # --------------------------------------------------------------------------------- params
 @jax.tree_util.register_dataclass
@@ -55,6 +95,14 @@ class Params:
 
     weights: dict[str, Any]
     config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        # Per-layer trees (a tuple of dicts) or another grouping: restacked to the config's.
+        w = self.weights
+        if isinstance(w, dict) and isinstance(w.get("layers"), (tuple, list, LayerStack)):
+            layers = as_stack(layer_groups(self.config), w["layers"])
+            if layers is not w["layers"]:
+                object.__setattr__(self, "weights", {**w, "layers": layers})
 
     def __getitem__(self, key):
         return self.weights[key]
@@ -206,13 +254,21 @@ def mtp_specs(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def unstacked_specs(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, Any]:
+    """`param_specs` with "layers" a plain tuple of per-layer spec dicts (the init order)."""
+    specs = param_specs(cfg, include_mtp)
+    return {**specs, "layers": tuple(specs["layers"])}
+
+
 def param_specs(cfg: ModelConfig, include_mtp: bool = True) -> dict[str, Any]:
     """The abstract description of every weight of the model (same tree as `Params.weights`)."""
     V, D = cfg.vocab_size, cfg.hidden_size
     return {
         "embed": Spec((V, D), ("vocab", "embed"), normal(1.0), "embed.weight", BF16),
-        "layers": tuple(layer_specs(cfg, lt, mt)
-                        for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types)),
+        "layers": LayerStack.from_layers(
+            layer_groups(cfg), [layer_specs(cfg, lt, mt)
+                                for lt, mt in zip(cfg.layer_types, cfg.mlp_layer_types)],
+            stack=stack_specs),
         "hc_head": _mhc_specs(cfg, "hc_head", cfg.hc_mult),
         "norm": _norm(D, "norm.weight"),
         "head": _linear(D, V, "head.weight", BF16, ("embed", "vocab")),
@@ -226,7 +282,10 @@ def ckpt_prefixes(cfg: ModelConfig, specs: dict[str, Any]) -> dict[str, Any]:
         return jax.tree.map(lambda s: prefix, tree, is_leaf=lambda x: isinstance(x, Spec))
     return {
         **{k: prefixed(specs[k], "") for k in ("embed", "hc_head", "norm", "head")},
-        "layers": tuple(prefixed(l, f"layers.{i}.") for i, l in enumerate(specs["layers"])),
+        "layers": LayerStack.from_layers(
+            specs["layers"].groups,
+            [prefixed(l, f"layers.{i}.") for i, l in enumerate(specs["layers"])],
+            stack=lambda xs: StackedPrefix(tuple(xs))),
         "mtp": tuple({**prefixed({k: v for k, v in m.items() if k != "block"}, f"mtp.{i}."),
                       "block": prefixed(m["block"], f"mtp.{i}.")}
                      for i, m in enumerate(specs["mtp"])),
@@ -246,19 +305,45 @@ def leaf_dtype(spec: Spec, dtype) -> Any:
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
                 include_mtp: bool = True) -> Params:
-    """Random weights with realistic scales: non-zero sinks/biases/ape, spread hash tables."""
-    return Params(init_tree(param_specs(cfg, include_mtp), key, dtype), cfg)
+    """Random weights with realistic scales: non-zero sinks/biases/ape, spread hash tables.
+
+    Every layer's values are those of the per-layer tree (`unstacked_specs`, leaf i seeded by
+    (key, i)) whatever the grouping; scanned groups stack them."""
+    specs = unstacked_specs(cfg, include_mtp)
+    values = _init_numpy(specs, key)
+    values["layers"] = LayerStack.from_layers(layer_groups(cfg), values["layers"], stack=np.stack)
+    stacked = param_specs(cfg, include_mtp)
+    weights = jax.tree.map(lambda s, v: jnp.asarray(v, dtype=leaf_dtype(s, dtype)), stacked, values,
+                           is_leaf=is_spec)
+    return Params(weights, cfg)
 
 
-def init_tree(specs, key: jax.Array, dtype=jnp.float32):
-    """Values for a tree of `Spec`s: leaf i from numpy's generator seeded by (key, i)."""
+def _init_numpy(specs, key: jax.Array):
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     seed = [int(x) for x in np.asarray(jax.random.key_data(key)).reshape(-1)]
     values = []
     for i, spec in enumerate(leaves):
         rng = np.random.default_rng(seed + [i])
-        values.append(jnp.asarray(spec.init(rng, spec.shape), dtype=leaf_dtype(spec, dtype)))
+        values.append(spec.init(rng, spec.shape))
     return jax.tree.unflatten(treedef, values)
+
+
+def init_tree(specs, key: jax.Array, dtype=jnp.float32):
+    """Values for a tree of (unstacked) `Spec`s: leaf i from numpy's generator seeded by
+    (key, i)."""
+    return jax.tree.map(lambda s, v: jnp.asarray(v, dtype=leaf_dtype(s, dtype)), specs,
+                        _init_numpy(specs, key), is_leaf=is_spec)
+
+
+def abstract_tree(specs, dtype=jnp.float32, shardings=None):
+    """The `jax.ShapeDtypeStruct` of every weight of a spec tree (no allocation); shardings:
+    an optional tree of shardings of the same structure."""
+    if shardings is None:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, leaf_dtype(s, dtype)), specs,
+                            is_leaf=is_spec)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, leaf_dtype(s, dtype),
+                                                           sharding=sh), specs, shardings,
+                        is_leaf=is_spec)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

@@ -48,12 +48,17 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn.config import CSA, HCA, ModelConfig
+from deepinfer_fn.layer_groups import LayerStack, layer_groups
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    layers: tuple[dict[str, jax.Array], ...]
+    """`layers`: a `LayerStack` in the model's grouping (scanned groups: leaves
+    [repeats, B, ...], batch axis 1; `layers[i]` is layer i's dict), or a plain tuple of
+    per-layer dicts (drafters' states; `forward_chunk` restacks a tuple)."""
+
+    layers: LayerStack | tuple[dict[str, jax.Array], ...]
     lengths: jax.Array                      # [B] int32
     max_len: int = dataclasses.field(metadata=dict(static=True))
     window_slots: int = dataclasses.field(metadata=dict(static=True))
@@ -110,11 +115,18 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, *, window_slots: int 
         raise ValueError(f"window_slots={window_slots} < sliding_window={cfg.sliding_window}")
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
-    layers = tuple(
-        {k: _initial(k, v) for k, v in
-         layer_state_shapes(cfg, lt, batch, max_len, window_slots, dtype).items()}
-        for lt in cfg.layer_types)
+    shapes = state_shapes(cfg, batch, max_len, window_slots, dtype)
+    layers = shapes.map_blocks(lambda scanned, tree: {k: _initial(k, v) for k, v in tree.items()})
     return DecodeState(layers, jnp.zeros((batch,), jnp.int32), max_len, window_slots)
+
+
+def state_shapes(cfg: ModelConfig, batch: int, max_len: int, window_slots: int,
+                 dtype) -> LayerStack:
+    """The `DecodeState.layers` shapes of `cfg` (stacked per `layer_groups`)."""
+    stack = lambda xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype)
+    return LayerStack.from_layers(
+        layer_groups(cfg), [layer_state_shapes(cfg, lt, batch, max_len, window_slots, dtype)
+                            for lt in cfg.layer_types], stack=stack)
 
 
 def state_bytes(cfg: ModelConfig, batch: int, max_len: int, window_slots: int | None = None,

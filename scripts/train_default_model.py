@@ -524,7 +524,7 @@ def save_checkpoint(params: di.Params, out: str) -> None:
     bf16 except those V4 keeps in float32 (mHC, sinks, ape, norms, router bias; §2.12)."""
     from deepinfer_fn.checkpoint.loader import tensor_names
     from deepinfer_fn.checkpoint.safetensors_io import SafetensorsFile, save_file
-    from deepinfer_fn.params import ckpt_prefixes, is_spec, param_specs
+    from deepinfer_fn.params import ckpt_prefixes, is_spec, param_specs, per_layer
     import ml_dtypes
     cfg = params.config
     specs = param_specs(cfg, include_mtp=True)
@@ -532,7 +532,8 @@ def save_checkpoint(params: di.Params, out: str) -> None:
     for spec, prefix in zip(jax.tree.leaves(specs, is_leaf=is_spec),
                             jax.tree.leaves(ckpt_prefixes(cfg, specs))):
         if spec.keep_fp32:
-            keep.update(tensor_names(spec, prefix))
+            for s, p in per_layer(spec, prefix):
+                keep.update(tensor_names(s, p))
     tmp = tempfile.mkdtemp()
     try:
         di.save_params(params, tmp)

@@ -517,6 +517,9 @@ def replicate_experts(params, placements):
         placements = [placements] * n_layers
     if len(placements) != n_layers:
         raise ValueError(f"{len(placements)} placements for {n_layers} layers")
+    # One replica-table width for all layers (-1 padding is never indexed: replica < count), so
+    # the layers of a scanned group stack.
+    width = max(pl.max_replicas for pl in placements)
     layers = []
     for layer, pl in zip(params["layers"], placements):
         ffn = dict(layer["ffn"])
@@ -526,7 +529,9 @@ def replicate_experts(params, placements):
                              f"has {n_logical}")
         for name in ("w1", "w3", "w2"):
             ffn[name] = expand_expert_weights(ffn[name], jnp.asarray(pl.phys_to_logical))
-        ffn["logical_to_phys"] = jnp.asarray(pl.logical_to_phys, jnp.int32)
+        ffn["logical_to_phys"] = jnp.asarray(
+            np.pad(pl.logical_to_phys, ((0, 0), (0, width - pl.max_replicas)), constant_values=-1),
+            jnp.int32)
         ffn["replica_count"] = jnp.asarray(pl.replica_count, jnp.int32)
         layers.append({**layer, "ffn": ffn})
-    return Params({**params.weights, "layers": tuple(layers)}, params.config)
+    return Params({**params.weights, "layers": tuple(layers)}, params.config)  # restacked

@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from deepinfer_fn.config import CSA, HCA, ModelConfig
-from deepinfer_fn.params import BF16, F32, FP4, FP8, I64, is_spec, param_specs
+from deepinfer_fn.params import BF16, F32, FP4, FP8, I64, is_spec, param_specs, unstacked_specs
 from deepinfer_fn.state import state_bytes
 
 GB = 1e9
@@ -116,11 +116,12 @@ def _category(path) -> str:
         return top
     if top in ("hc_head", "norm"):
         return "mhc_norms"
-    sub = keys[2]                                  # ("layers", i, sub, ...)
+    names = [k for k in keys[1:] if isinstance(k, str)]   # ("layers", [blocks, g, j | i], sub, ...)
+    sub = names[0]
     if sub == "attn":
         return "attention"
     if sub == "ffn":
-        leaf = keys[3]
+        leaf = names[1]
         if leaf in ("w1", "w2", "w3"):
             return "routed_experts"
         if leaf == "shared":
@@ -154,7 +155,7 @@ def bytes_per_element(spec, dtype: str) -> float:
 def checkpoint_bytes(cfg: ModelConfig, include_mtp: bool = True) -> int:
     """Tensor bytes of the official checkpoint layout (§5.2-5.3), exact (scales included)."""
     total = 0
-    for s in jax.tree.leaves(param_specs(cfg, include_mtp), is_leaf=is_spec):
+    for s in jax.tree.leaves(unstacked_specs(cfg, include_mtp), is_leaf=is_spec):
         n = math.prod(s.shape)
         if s.fmt == FP8 and s.layout == "linear":
             d_in, d_out = s.shape
@@ -193,8 +194,9 @@ def param_report(cfg: ModelConfig, layout: Layout, dtype: str = "bf16", redundan
     for path, s in flat:
         cat = _category(path)
         shape = s.shape
-        if s.layout == "experts":
-            shape = (per_dev_experts * layout.ep, *shape[1:])
+        if s.layout == "experts":                   # [(layers,) E, ...]
+            e_axis = int(s.stacked)
+            shape = (*shape[:e_axis], per_dev_experts * layout.ep, *shape[e_axis + 1:])
         shard = NamedSharding(mesh, logical_spec(s.axes, shape, mesh)).shard_shape(shape)
         n_dev = math.prod(shard)
         total[cat] += math.prod(s.shape)

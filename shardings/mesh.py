@@ -8,15 +8,18 @@ DeepInfer's DP64/EP64 decode does); routed experts are split over `ep` and repli
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from deepinfer_fn.config import ModelConfig
-from deepinfer_fn.params import Params, is_spec, param_specs
+from deepinfer_fn.layer_groups import LayerStack
+from deepinfer_fn.params import Params, abstract_tree, is_spec, param_specs
 
 BATCH_AXES = ("dp", "ep")
 
@@ -29,6 +32,7 @@ RULES: dict[str, Any] = {
     "o_groups": "tp",
     "index_heads": "tp",
     "vocab": None,
+    "layers": None,          # the stacked axis of a scanned layer group
 }
 
 
@@ -70,6 +74,9 @@ def _spec_at(specs, path):
     (e.g. the replica tables `shardings.replicate_experts` adds)."""
     node = specs
     for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):          # LayerStack.blocks
+            node = getattr(node, key.name, None)
+            continue
         k = getattr(key, "key", getattr(key, "idx", None))
         try:
             node = node[k]
@@ -119,5 +126,27 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 
 def state_shardings(state, mesh: Mesh):
-    """Decode-state shardings: every array is split over the batch (its leading axis)."""
-    return jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), state)
+    """Decode-state shardings: every array is split over the batch (its leading axis; axis 1
+    on the stacked leaves of a scanned layer group, whose leading axis is the group's
+    repeats)."""
+    def split(tree, lead: int):
+        return jax.tree.map(lambda x: NamedSharding(
+            mesh, P(*([None] * lead), BATCH_AXES, *([None] * (x.ndim - 1 - lead)))), tree)
+
+    layers = getattr(state, "layers", None)
+    if not isinstance(layers, LayerStack):
+        return split(state, 0)
+    return dataclasses.replace(split(dataclasses.replace(state, layers=()), 0),
+                               layers=layers.map_blocks(lambda scanned, t: split(t, int(scanned))))
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32, mesh: Mesh | None = None, *,
+                    include_mtp: bool = True, rules=RULES) -> Params:
+    """`Params` of `cfg` as `jax.ShapeDtypeStruct`s, nothing allocated (with their
+    `param_shardings` when a mesh is given): lower / compile / study memory of any preset,
+    e.g. `jax.jit(f).lower(abstract_params(v4flash), ...)`."""
+    specs = param_specs(cfg, include_mtp)
+    shardings = None if mesh is None else jax.tree.map(
+        lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh, rules)), specs,
+        is_leaf=is_spec)
+    return Params(abstract_tree(specs, dtype, shardings), cfg)

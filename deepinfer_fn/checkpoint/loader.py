@@ -23,7 +23,7 @@ from deepinfer_fn.checkpoint.names import normalize_name, scale_name
 from deepinfer_fn.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from deepinfer_fn.config import ConfigError, ModelConfig
 from deepinfer_fn.params import (BF16, FP4, FP8, Params, Spec, ckpt_prefixes, is_spec,
-                                 leaf_dtype, param_specs)
+                                 leaf_dtype, param_specs, per_layer)
 
 _FLOAT_STORAGE = {"F32", "BF16", "F16", "F64"}
 
@@ -187,6 +187,21 @@ def _check_shape(ck, name, got, want):
                               f"expected {list(want)}")
 
 
+def _read_value(ck, spec: Spec, prefix, cfg) -> np.ndarray:
+    """A whole weight in the internal layout; stacked weights (scanned layer groups) are
+    their layers' checkpoint tensors stacked."""
+    values = [to_internal(s, [_read_weight(ck, n, s, cfg) for n in tensor_names(s, p)])
+              for s, p in per_layer(spec, prefix)]
+    return np.stack(values) if spec.stacked else values[0]
+
+
+def _read_stacked_shard(ck, spec: Spec, prefix, cfg, out_dtype, index) -> np.ndarray:
+    """`_read_shard` of a stacked weight: each selected layer's own slice, stacked."""
+    layers = per_layer(spec, prefix)[index[0]]
+    return np.stack([_read_shard(ck, tensor_names(s, p), s, cfg, out_dtype, tuple(index[1:]))
+                     for s, p in layers])
+
+
 def _read_shard(ck, names, spec: Spec, cfg, out_dtype, index) -> np.ndarray:
     """The part `index` (a tuple of slices of the internal array) of one weight. Routed
     experts read only the experts of the shard; other weights are read whole (they are
@@ -247,16 +262,20 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
         iterator = tqdm(iterator, total=len(flat_specs), desc=f"loading {os.path.basename(path)}")
     leaves = []
     for i, (spec, prefix) in iterator:
-        names = tensor_names(spec, prefix)
         out_dtype = leaf_dtype(spec, dtype)
         if shardings is None:
-            value = to_internal(spec, [_read_weight(ck, n, spec, cfg) for n in names])
+            value = _read_value(ck, spec, prefix, cfg)
             assert value.shape == spec.shape, (spec.ckpt, value.shape, spec.shape)
             leaves.append(jnp.asarray(value, dtype=out_dtype))
+        elif spec.stacked:
+            leaves.append(jax.make_array_from_callback(
+                spec.shape, shardings[i],
+                functools.partial(_read_stacked_shard, ck, spec, prefix, cfg, out_dtype)))
         else:
             leaves.append(jax.make_array_from_callback(
                 spec.shape, shardings[i],
-                functools.partial(_read_shard, ck, names, spec, cfg, out_dtype)))
+                functools.partial(_read_shard, ck, tensor_names(spec, prefix), spec, cfg,
+                                  out_dtype)))
 
     unused = sorted(set(ck.where) - ck.used)
     if not include_mtp:
@@ -291,8 +310,11 @@ def save_params(params: Params, path: str | os.PathLike, *, quantize: bool = Fal
     tensors: dict[str, np.ndarray] = {}
     for spec, prefix, value in zip(flat_specs, flat_prefix, values):
         host = np.asarray(jax.device_get(value))
-        for name, arr in zip(tensor_names(spec, prefix), to_checkpoint(spec, host)):
-            tensors.update(_encode(name, spec, arr, quantize, cfg))
+        parts = per_layer(spec, prefix)
+        for r, (s, p) in enumerate(parts):
+            layer_value = host[r] if spec.stacked else host
+            for name, arr in zip(tensor_names(s, p), to_checkpoint(s, layer_value)):
+                tensors.update(_encode(name, s, arr, quantize, cfg))
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

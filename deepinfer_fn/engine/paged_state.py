@@ -13,6 +13,9 @@ The decode state of spec/model.md §3 splits in two (spec §7):
   ratio), so one page id addresses one token block everywhere and a block table
   `[max_batch, max_pages]` (host side) maps a request's block i to its page.
 
+Both `slots` and `pools` are `layer_groups.LayerStack`s in the model's grouping: on a scanned
+group's leaves the leading axis is the group's repeats (slot axis 1, page axis 1).
+
 `last_token [max_batch]` holds each slot's last sampled token, so a decode step's inputs never
 have to come back from the host (asynchronous scheduling).
 
@@ -33,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn.config import CSA, HCA, ModelConfig
-from deepinfer_fn.state import layer_state_shapes
+from deepinfer_fn.layer_groups import LayerStack
+from deepinfer_fn.state import layer_state_shapes, state_shapes
 
 POOL_KEYS = ("rows", "index_rows")
 
@@ -41,8 +45,8 @@ POOL_KEYS = ("rows", "index_rows")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedState:
-    slots: tuple[dict[str, jax.Array], ...]   # per layer: per-slot rings [max_batch, ...]
-    pools: tuple[dict[str, jax.Array], ...]   # per layer: {} (SWA) or rows pools [P, ps//m, d]
+    slots: LayerStack     # per layer: per-slot rings [max_batch, ...]
+    pools: LayerStack     # per layer: {} (SWA) or rows pools [P, ps//m, d]
     last_token: jax.Array                     # [max_batch] int32
     page_size: int = dataclasses.field(metadata=dict(static=True))
     max_pages: int = dataclasses.field(metadata=dict(static=True))
@@ -72,22 +76,21 @@ def init_paged_state(cfg: ModelConfig, *, max_batch: int, num_pages: int, page_s
     check_page_size(cfg, page_size)
     window_slots = window_slots or cfg.sliding_window
     max_len = page_size * max_pages
-    slots, pools = [], []
-    for lt in cfg.layer_types:
-        shapes = layer_state_shapes(cfg, lt, max_batch, max_len, window_slots, dtype)
-        slot = {k: (jnp.full(s.shape, -1, s.dtype) if k == "window_pos" else jnp.zeros(s.shape, s.dtype))
-                for k, s in shapes.items() if k not in POOL_KEYS}
-        pool = {}
-        if lt in (CSA, HCA):
-            m = cfg.compress_ratio_of(lt)
-            for k in POOL_KEYS:
-                if k in shapes:
-                    pool[k] = jnp.zeros((num_pages, page_size // m, shapes[k].shape[-1]),
-                                        shapes[k].dtype)
-        slots.append(slot)
-        pools.append(pool)
-    return PagedState(tuple(slots), tuple(pools), jnp.zeros((max_batch,), jnp.int32),
-                      page_size, max_pages, window_slots)
+    shapes = state_shapes(cfg, max_batch, max_len, window_slots, dtype)
+
+    def slot(scanned, tree):
+        return {k: (jnp.full(s.shape, -1, s.dtype) if k == "window_pos" else jnp.zeros(s.shape, s.dtype))
+                for k, s in tree.items() if k not in POOL_KEYS}
+
+    def pool(scanned, tree):
+        lead = tree["window_kv"].shape[:1] if scanned else ()
+        # rows [(R,) B, cap, d] -> pool [(R,) P, ps // m, d]; cap = max_len // m
+        return {k: jnp.zeros(lead + (num_pages, page_size * s.shape[-2] // max_len, s.shape[-1]),
+                             s.dtype)
+                for k, s in tree.items() if k in POOL_KEYS}
+
+    return PagedState(shapes.map_blocks(slot), shapes.map_blocks(pool),
+                      jnp.zeros((max_batch,), jnp.int32), page_size, max_pages, window_slots)
 
 
 def pool_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:

@@ -60,8 +60,9 @@ def replay_logits(params, tokens, hit: int, replay: int | None, *, chunk: int = 
     _, cached = _run(params, init_state(cfg, 1, cap, dtype=params.dtype), tokens[:hit], 0, 0, chunk)
     start = max(0, hit - replay)
     fresh = init_state(cfg, 1, cap, dtype=params.dtype)
-    layers = tuple({k: (cached.layers[i][k] if k in ("rows", "index_rows") else v)
-                    for k, v in layer.items()} for i, layer in enumerate(fresh.layers))
+    layers = fresh.layers.map_blocks(
+        lambda scanned, layer, old: {k: (old[k] if k in ("rows", "index_rows") else v)
+                                     for k, v in layer.items()}, cached.layers)
     state = DecodeState(layers, jnp.full((1,), start, jnp.int32), fresh.max_len, fresh.window_slots)
     approx, _ = _run(params, state, tokens, start, hit, chunk)
     return approx[hit - start:]

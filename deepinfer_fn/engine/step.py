@@ -13,6 +13,9 @@ compilation is bounded). Each call:
    start .. start + n_new - 1; never a shared page below row_floor, never the null page), and
    the sampled token into `last_token` (a decode row's next input, read on device).
 
+Rings and pools are `LayerStack`s in the model's layer grouping: gathers and scatters work on
+the stacked arrays of a scanned group directly (slot / page axis 1), never per layer.
+
 The whole PagedState is donated. Padding rows have slot = max_batch (gathers clip, scatters
 drop) and n_new = 0.
 
@@ -54,27 +57,33 @@ def sample_rows(logits, sampling: SamplingParams, positions):
 
 
 def _gather_slots(slots, slot):
-    return tuple({k: jnp.take(v, slot, axis=0, mode="clip") for k, v in layer.items()}
-                 for layer in slots)
+    """Per-slot rings of the rows `slot` [B] (slot axis 1 on stacked leaves)."""
+    return slots.map_blocks(lambda scanned, layer: {
+        k: jnp.take(v, slot, axis=int(scanned), mode="clip") for k, v in layer.items()})
 
 
 def _scatter_slots(slots, new_layers, slot):
-    return tuple({k: v.at[slot].set(new[k], mode="drop") for k, v in layer.items()}
-                 for layer, new in zip(slots, new_layers))
+    def one(scanned, layer, new):
+        at = (lambda v: v.at[:, slot]) if scanned else (lambda v: v.at[slot])
+        return {k: at(v).set(new[k], mode="drop") for k, v in layer.items()}
+    return slots.map_blocks(one, new_layers)
 
 
 def _gather_rows(pools, block_table):
-    """pool [P, rpp, d] -> contiguous rows [B, max_pages * rpp, d] per layer."""
-    out = []
-    for pool in pools:
-        out.append({k: v[block_table].reshape(block_table.shape[0], -1, v.shape[-1])
-                    for k, v in pool.items()})
-    return out
+    """pool [(R,) P, rpp, d] -> contiguous rows [(R,) B, max_pages * rpp, d] per layer."""
+    B = block_table.shape[0]
+
+    def one(scanned, pool):
+        if scanned:
+            return {k: v[:, block_table].reshape(v.shape[0], B, -1, v.shape[-1])
+                    for k, v in pool.items()}
+        return {k: v[block_table].reshape(B, -1, v.shape[-1]) for k, v in pool.items()}
+    return pools.map_blocks(one)
 
 
 def _scatter_rows(pools, new_layers, block_table, start, n_new, row_floor, page_size, S):
     """Writes back the pages positions [start, start + n_new) touched, except shared pages
-    (below row_floor) and the null page."""
+    (below row_floor) and the null page (stacked pools: every layer of the group)."""
     B, max_pages = block_table.shape
     n_touch = min(max_pages, (S - 1) // page_size + 2)
     page_idx = start[:, None] // page_size + jnp.arange(n_touch)[None]          # [B, n_touch]
@@ -82,17 +91,23 @@ def _scatter_rows(pools, new_layers, block_table, start, n_new, row_floor, page_
                & (page_idx >= (row_floor // page_size)[:, None]) & (n_new > 0)[:, None])
     safe_idx = jnp.clip(page_idx, 0, max_pages - 1)
     page_id = jnp.take_along_axis(block_table, safe_idx, axis=1)
-    out = []
-    for pool, new in zip(pools, new_layers):
+
+    def one(scanned, pool, new):
         upd = {}
         for k, v in pool.items():
-            num_pages, rpp, d = v.shape
+            num_pages, rpp, d = v.shape[-3:]
             target = jnp.where(touched & (page_id > 0), page_id, num_pages).reshape(-1)
-            rows = new[k].reshape(B, max_pages, rpp, d)
-            vals = jnp.take_along_axis(rows, safe_idx[:, :, None, None], axis=1)
-            upd[k] = v.at[target].set(vals.reshape(-1, rpp, d), mode="drop")
-        out.append(upd)
-    return tuple(out)
+            if scanned:
+                R = v.shape[0]
+                rows = new[k].reshape(R, B, max_pages, rpp, d)
+                vals = jnp.take_along_axis(rows, safe_idx[None, :, :, None, None], axis=2)
+                upd[k] = v.at[:, target].set(vals.reshape(R, -1, rpp, d), mode="drop")
+            else:
+                rows = new[k].reshape(B, max_pages, rpp, d)
+                vals = jnp.take_along_axis(rows, safe_idx[:, :, None, None], axis=1)
+                upd[k] = v.at[target].set(vals.reshape(-1, rpp, d), mode="drop")
+        return upd
+    return pools.map_blocks(one, new_layers)
 
 
 def unpack_sampling(meta, fparams) -> SamplingParams:
@@ -105,21 +120,21 @@ def gather_state(state: PagedState, slot, start, fresh, block_table) -> DecodeSt
     """The contiguous `DecodeState` of a sub-batch's rows (slot [B], lengths = start [B]):
     their per-slot rings (window ring emptied where fresh > 0) and, through block_table, their
     compressed rows."""
-    layers = []
-    for sl, rows in zip(_gather_slots(state.slots, slot), _gather_rows(state.pools, block_table)):
+    def one(scanned, sl, rows):
         sl = dict(sl)
         sl["window_pos"] = jnp.where(fresh[:, None] > 0, -1, sl["window_pos"])
         sl.update(rows)
-        layers.append(sl)
-    return DecodeState(tuple(layers), start, state.max_len, state.window_slots)
+        return sl
+    layers = _gather_slots(state.slots, slot).map_blocks(one, _gather_rows(state.pools, block_table))
+    return DecodeState(layers, start, state.max_len, state.window_slots)
 
 
 def scatter_state(state: PagedState, new: DecodeState, slot, block_table, start, n_new,
                   row_floor, S: int) -> PagedState:
     """Writes a sub-batch's new `DecodeState` back: per-slot rings by slot, and the pages that
     positions [start, start + n_new) touched (S: the chunk width, bounds the pages)."""
-    new_slots = tuple({k: v for k, v in layer.items() if k not in POOL_KEYS}
-                      for layer in new.layers)
+    new_slots = new.layers.map_blocks(
+        lambda scanned, layer: {k: v for k, v in layer.items() if k not in POOL_KEYS})
     return dataclasses.replace(
         state, slots=_scatter_slots(state.slots, new_slots, slot),
         pools=_scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,

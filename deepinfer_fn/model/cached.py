@@ -4,6 +4,13 @@ One code path for prefill chunks of any size, single-token decode and k-token ve
 Row b processes its first n_new[b] tokens of the chunk at positions start[b] + j; the rest of
 the chunk is padding that neither reads nor writes state. Returns the layer's output and its
 new state; the caller advances `lengths`.
+
+Stacked state (a scanned layer group, `layer_groups.py`): with `layer` = the layer's index
+r in its group, every state leaf is [repeats, B, ...] and layer r's entries are read at
+[r] and written IN PLACE as scatters at [r, b, slot] (ring slots, new rows), never by
+rebuilding the layer's state; the returned dict holds the whole stacked arrays. A ring is
+read before it is written: `_read_before_write` orders the read first, so the write can stay
+in place (otherwise XLA copies the whole stacked ring to keep the old value alive).
 """
 
 from __future__ import annotations
@@ -24,8 +31,27 @@ def _gather_tokens(ext, idx):
     return jax.vmap(lambda e, i: e[i])(ext, idx)
 
 
+def _read(st: dict, key: str, layer):
+    """Layer `layer`'s entry [B, ...] of a state leaf (the leaf itself when unstacked)."""
+    return st[key] if layer is None else st[key][layer]
+
+
+def _read_before_write(reads, writes):
+    """(reads, writes) unchanged, with every value to be written depending on the reads: the
+    in-place scatters of a ring cannot be scheduled before the ring's old entries are read."""
+    return jax.lax.optimization_barrier((reads, writes))
+
+
+def _put_rows(buf, layer, idx, values):
+    """buf [(repeats,) B, N, ...] with values [B, K, ...] written at [(layer,) b, idx[b, k]]
+    (idx out of range: dropped)."""
+    b = jnp.arange(idx.shape[0])[:, None]
+    where = (b, idx) if layer is None else (layer, b, idx)
+    return buf.at[where].set(values.astype(buf.dtype), mode="drop")
+
+
 def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
-                     st: dict, prefix: str = "", row_floor=None):
+                     st: dict, prefix: str = "", row_floor=None, layer=None):
     """Advances one compressor over a chunk: emits the rows of every window the chunk
     completes (at index = global window number, RoPE at m * w, §4.3, §4.8) and writes the
     chunk's raw per-token inputs into the compressor ring.
@@ -39,15 +65,17 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
 
     x [B,S,D]; start/n_new [B]. row_floor [B] (optional, token positions, a multiple of m):
     rows of windows starting below it are not written (they already hold exact shared rows:
-    the engine's prefix-cache replay, spec/model.md §7). Returns the updated entries.
+    the engine's prefix-cache replay, spec/model.md §7). layer: the index into stacked
+    state leaves (module docstring) or None. Returns the updated entries.
     """
     B, S, _ = x.shape
     m = ratio
     positions = start[:, None] + jnp.arange(S)
     kappa, gate = project(p, x, positions, m)
-    ring_kv, ring_gate = st[prefix + "raw_kv"], st[prefix + "raw_gate"]
+    ring_kv, ring_gate = _read(st, prefix + "raw_kv", layer), _read(st, prefix + "raw_gate", layer)
     slots = ring_kv.shape[1]
     kappa = kappa.astype(ring_kv.dtype)
+    (ring_kv, ring_gate), (kappa, gate) = _read_before_write((ring_kv, ring_gate), (kappa, gate))
     ext_kv = jnp.concatenate([ring_kv, kappa], 1)
     ext_gate = jnp.concatenate([ring_gate, gate], 1)
     end = start + n_new
@@ -76,28 +104,27 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     complete = (win + 1) * m <= end[:, None]           # [B, n_win]
     if row_floor is not None:
         complete &= win >= (row_floor // m)[:, None]
-    new_rows = finish_rows(p, pooled, win, m, freqs, eps).astype(st[prefix + "rows"].dtype)
-    cap = st[prefix + "rows"].shape[1]
+    rows = st[prefix + "rows"]
+    new_rows = finish_rows(p, pooled, win, m, freqs, eps).astype(rows.dtype)
+    cap = rows.shape[-2]
     target = jnp.where(complete, win, cap)             # out of range -> dropped
-    out[prefix + "rows"] = jax.vmap(lambda r, i, v: r.at[i].set(v, mode="drop"))(
-        st[prefix + "rows"], target, new_rows)
+    out[prefix + "rows"] = _put_rows(rows, layer, target, new_rows)
 
     # Ring update: the chunk's valid tokens that a later chunk can still read.
     write = (jnp.arange(S)[None] < n_new[:, None]) & (positions >= (end - slots)[:, None])
     slot = jnp.where(write, positions % slots, slots)
-    put = jax.vmap(lambda r, i, v: r.at[i].set(v, mode="drop"))
-    out[prefix + "raw_kv"] = put(ring_kv, slot, kappa)
-    out[prefix + "raw_gate"] = put(ring_gate, slot, gate)
+    out[prefix + "raw_kv"] = _put_rows(st[prefix + "raw_kv"], layer, slot, kappa)
+    out[prefix + "raw_gate"] = _put_rows(st[prefix + "raw_gate"], layer, slot, gate)
     return out
 
 
 def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelConfig,
-                    row_floor=None):
+                    row_floor=None, layer=None):
     """Attention of a chunk against the layer state: (out [B,S,D], new layer state).
 
     row_floor [B] (optional): compressed rows (main and indexer) of windows starting below
     this position are kept as they are in the state instead of being rewritten
-    (`compressor_chunk`)."""
+    (`compressor_chunk`). layer: index into stacked state leaves (module docstring)."""
     B, S, _ = x.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)
     valid = jnp.arange(S)[None] < n_new[:, None]
@@ -106,27 +133,30 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
     q, c_q, kv = query_and_kv(p, x, cos, sin, cfg)
     kv = kv.astype(st["window_kv"].dtype)
+    ring_kv, ring_pos = _read(st, "window_kv", layer), _read(st, "window_pos", layer)
+    (ring_kv, ring_pos), (kv, positions) = _read_before_write((ring_kv, ring_pos), (kv, positions))
 
     # Window branch: ring slots still behind `start` (rolled-back slots are ignored) + chunk.
-    ring_pos = jnp.where(st["window_pos"] < start[:, None], st["window_pos"], -1)
+    ring_pos = jnp.where(ring_pos < start[:, None], ring_pos, -1)
     chunk_pos = jnp.where(valid, positions, -1)
-    window_kv = jnp.concatenate([st["window_kv"], kv], axis=1)
+    window_kv = jnp.concatenate([ring_kv, kv], axis=1)
     bias = window_bias(positions, jnp.concatenate([ring_pos, chunk_pos], 1), cfg.sliding_window)
 
     new = dict(st)
     if layer_type in (CSA, HCA):
         m = cfg.compress_ratio_of(layer_type)
         new.update(compressor_chunk(p["compressor"], x, start, n_new, m, layer_type == CSA,
-                                    freqs, cfg.rms_norm_eps, st, row_floor=row_floor))
-        rows = new["rows"]
+                                    freqs, cfg.rms_norm_eps, st, row_floor=row_floor,
+                                    layer=layer))
+        rows = _read(new, "rows", layer)
         visible = jnp.arange(rows.shape[1])[None, None] < ((positions + 1) // m)[:, :, None]
         if layer_type == CSA:
             ip = p["indexer"]
             new.update(compressor_chunk(ip["compressor"], x, start, n_new, m, True, freqs,
                                         cfg.rms_norm_eps, st, prefix="index_",
-                                        row_floor=row_floor))
+                                        row_floor=row_floor, layer=layer))
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
-            scores = index_scores(q_index, head_w, new["index_rows"])
+            scores = index_scores(q_index, head_w, _read(new, "index_rows", layer))
             row_idx = top_k_rows(scores, visible, cfg.index_topk)
             o = kernels.sparse_attention(q, window_kv, bias, rows, row_idx, p["sinks"])
         else:
@@ -138,10 +168,9 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     out = output_projection(p, o, cos, sin, cfg)
 
     # Ring update: the chunk's valid tokens that can still be in a future window.
-    slots = st["window_pos"].shape[1]
+    slots = st["window_pos"].shape[-1]
     write = valid & (positions >= (end - slots)[:, None])
     slot = jnp.where(write, positions % slots, slots)
-    new["window_kv"] = jax.vmap(lambda r, i, v: r.at[i].set(v, mode="drop"))(st["window_kv"], slot, kv)
-    new["window_pos"] = jax.vmap(lambda r, i, v: r.at[i].set(v, mode="drop"))(
-        st["window_pos"], slot, positions)
+    new["window_kv"] = _put_rows(st["window_kv"], layer, slot, kv)
+    new["window_pos"] = _put_rows(st["window_pos"], layer, slot, positions)
     return out, new

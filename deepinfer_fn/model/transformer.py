@@ -8,23 +8,21 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn.config import SWA, SCORE_MOE, ModelConfig
+from deepinfer_fn.layer_groups import LayerStack, as_stack, layer_groups
 from deepinfer_fn.model.attention import attention_sequence
+from deepinfer_fn.model.cached import attention_chunk
 from deepinfer_fn.model.common import linear, rms_norm
-from deepinfer_fn.model.mhc import collapse, expand, head_collapse, mhc_weights
+from deepinfer_fn.model.mhc import head_collapse, sublayer_post, sublayer_pre
 from deepinfer_fn.model.moe import moe_layer
-
-
-def _mhc(p, streams, cfg: ModelConfig):
-    return mhc_weights(streams, p["fn"], p["base"], p["scale"], n=cfg.hc_mult,
-                       iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+from deepinfer_fn.state import DecodeState
 
 
 def sublayer(hc, norm, streams, fn: Callable, cfg: ModelConfig):
-    """mHC collapse -> RMSNorm -> fn -> mHC expand. fn(h [B,T,D]) -> (y [B,T,D], aux)."""
-    pre, post, comb = _mhc(hc, streams, cfg)
-    h = rms_norm(collapse(streams, pre), norm, cfg.rms_norm_eps)
+    """mHC collapse -> RMSNorm -> fn -> mHC expand, one registry op per side
+    (`kernels.mhc_pre` / `kernels.mhc_post`). fn(h [B,T,D]) -> (y [B,T,D], aux)."""
+    h, post, comb = sublayer_pre(hc, norm, streams, cfg)
     y, aux = fn(h)
-    return expand(streams, y, post, comb), aux
+    return sublayer_post(streams, y, post, comb), aux
 
 
 def block(lp, streams, token_ids, positions, layer_type: str, mlp_type: str, cfg: ModelConfig,
@@ -47,11 +45,24 @@ def embed(params, token_ids):
 
 
 def backbone(params, token_ids, positions):
-    """Final residual streams [B,T,n,D] of the whole stack (before the head collapse)."""
+    """Final residual streams [B,T,n,D] of the whole stack (before the head collapse).
+
+    Scanned layer groups (`layer_groups.py`) run as one `lax.scan` over their repeats."""
     cfg = params.config
+    layers = as_stack(layer_groups(cfg), params["layers"])
     streams = embed(params, token_ids)
-    for lp, lt, mt in zip(params["layers"], cfg.layer_types, cfg.mlp_layer_types):
-        streams = block(lp, streams, token_ids, positions, lt, mt, cfg)
+    for g, blk in zip(layers.groups, layers.blocks):
+        if not g.scanned:
+            (lt, mt), = g.kinds
+            streams = block(blk[0], streams, token_ids, positions, lt, mt, cfg)
+            continue
+
+        def body(streams, lps, g=g):
+            for lp, (lt, mt) in zip(lps, g.kinds):
+                streams = block(lp, streams, token_ids, positions, lt, mt, cfg)
+            return streams, None
+
+        streams, _ = jax.lax.scan(body, streams, blk)
     return streams
 
 
@@ -62,6 +73,19 @@ def head_logits(hc_head, norm, head, streams, cfg: ModelConfig):
     h = rms_norm(h, norm, cfg.rms_norm_eps)
     return jnp.matmul(h.astype(head.dtype), head, preferred_element_type=jnp.float32,
                       precision=jax.lax.Precision.HIGHEST if head.dtype == jnp.float32 else None)
+
+
+def _layer_chunk(lp, ls, layer, streams, token_ids, start, n_new, lt: str, mt: str,
+                 cfg: ModelConfig, row_floor):
+    """One layer of `forward_chunk`: (streams, new layer state). ls: the layer's state dict, or
+    its group's stacked dict with `layer` its index there (written in place, model/cached.py)."""
+    streams, new_ls = sublayer(
+        lp["hc_attn"], lp["attn_norm"], streams,
+        lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg, row_floor, layer),
+        cfg)
+    streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
+                          lambda h: (moe_layer(lp["ffn"], h, token_ids, mt, cfg), None), cfg)
+    return streams, new_ls
 
 
 def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, row_floor=None,
@@ -78,16 +102,19 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
     taps (layer ids, DSpark target features, spec/dspark.md §1.2): also return a 4th output,
     features [B,S,len(taps),D], each the residual streams averaged over the n mHC copies,
     read at the input ("pre") or the output ("post") of the tapped layer.
-    """
-    from deepinfer_fn.model.cached import attention_chunk
-    from deepinfer_fn.state import DecodeState
 
+    Scanned layer groups run as one `lax.scan` over their repeats with the group's stacked
+    state in the carry, updated in place by the repeat index; taps inside a scanned group are
+    scan outputs. The new state has the params' grouping (a tuple state is restacked).
+    """
     cfg = params.config
     B, S = token_ids.shape
     token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1)
     start = state.lengths
+    groups = layer_groups(cfg)
+    players = as_stack(groups, params["layers"])
+    slayers = as_stack(groups, state.layers)
     streams = embed(params, token_ids)
-    new_layers = []
     tapped = {}
     if taps is not None:
         if tap not in ("pre", "post"):
@@ -95,19 +122,46 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
         bad = [i for i in taps if not 0 <= i < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"tap layer ids {bad} outside [0, {cfg.num_hidden_layers})")
-    for i, (lp, ls, lt, mt) in enumerate(zip(params["layers"], state.layers, cfg.layer_types,
-                                             cfg.mlp_layer_types)):
-        if taps is not None and tap == "pre" and i in taps:
-            tapped[i] = streams.mean(axis=2)
-        streams, new_ls = sublayer(
-            lp["hc_attn"], lp["attn_norm"], streams,
-            lambda h: attention_chunk(lp["attn"], h, ls, start, n_new, lt, cfg, row_floor), cfg)
-        streams, _ = sublayer(lp["hc_ffn"], lp["ffn_norm"], streams,
-                              lambda h: (moe_layer(lp["ffn"], h, token_ids, mt, cfg), None), cfg)
-        if taps is not None and tap == "post" and i in taps:
-            tapped[i] = streams.mean(axis=2)
-        new_layers.append(new_ls)
-    new_state = DecodeState(tuple(new_layers), start + n_new, state.max_len, state.window_slots)
+    tap_set = set(taps or ())
+    feature = lambda x: x.mean(axis=2)
+    args = (token_ids, start, n_new)
+    new_blocks = []
+    for g, pblk, sblk in zip(groups, players.blocks, slayers.blocks):
+        if not g.scanned:
+            (lt, mt), = g.kinds
+            if tap == "pre" and g.start in tap_set:
+                tapped[g.start] = feature(streams)
+            streams, new_ls = _layer_chunk(pblk[0], sblk[0], None, streams, *args, lt, mt, cfg,
+                                           row_floor)
+            if tap == "post" and g.start in tap_set:
+                tapped[g.start] = feature(streams)
+            new_blocks.append((new_ls,))
+            continue
+        # unit positions j with a tapped layer in this group: emit their features per repeat
+        tap_pos = sorted({g.locate(i)[1] for i in tap_set if g.start <= i < g.stop})
+
+        def body(carry, xs, g=g, tap_pos=tap_pos):
+            streams, sts = carry
+            lps, r = xs
+            sts, feats = list(sts), {}
+            for j, (lt, mt) in enumerate(g.kinds):
+                if tap == "pre" and j in tap_pos:
+                    feats[j] = feature(streams)
+                streams, sts[j] = _layer_chunk(lps[j], sts[j], r, streams, *args, lt, mt, cfg,
+                                               row_floor)
+                if tap == "post" and j in tap_pos:
+                    feats[j] = feature(streams)
+            return (streams, tuple(sts)), tuple(feats[j] for j in tap_pos)
+
+        (streams, new_sts), ys = jax.lax.scan(
+            body, (streams, tuple(sblk)), (pblk, jnp.arange(g.repeats, dtype=jnp.int32)))
+        for i in tap_set:
+            if g.start <= i < g.stop:
+                r, j = g.locate(i)
+                tapped[i] = ys[tap_pos.index(j)][r]
+        new_blocks.append(new_sts)
+    new_state = DecodeState(LayerStack(groups, tuple(new_blocks)), start + n_new, state.max_len,
+                            state.window_slots)
     head = lambda s: head_logits(params["hc_head"], params["norm"], params["head"], s, cfg)
     extra = () if taps is None else (jnp.stack([tapped[i] for i in taps], axis=2),)
     if all_logits:
