@@ -1,5 +1,9 @@
 """deepinfer_fn: a functional JAX/XLA inference engine for the DeepSeek-V4 family."""
 
+from deepinfer_fn.compile_cache import ProgramCounter, enable_persistent_cache, precompile
+
+enable_persistent_cache()  # per-user directory; DEEPINFER_COMPILE_CACHE moves or disables it
+
 from deepinfer_fn.config import ConfigError, ModelConfig
 from deepinfer_fn.params import Params, count_params, init_params, param_specs
 from deepinfer_fn.api import forward, mtp_forward
@@ -15,14 +19,15 @@ __all__ = [
     "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
     "GenerateOutput", "generate", "stream_generate", "default_model_path", "DecodeState", "init_state",
     "Regex", "JsonSchema", "Grammar", "Engine", "Request", "RequestOutput",
+    "ProgramCounter", "enable_persistent_cache", "precompile",
 ]
 
-__all__ += ["make_mesh", "shard_params"]
+__all__ += ["make_mesh", "shard_params", "abstract_params"]
 
 
 def __getattr__(name):
     # `shardings` imports deepinfer_fn's modules, so its API is attached lazily (no cycle).
-    if name in ("make_mesh", "shard_params"):
+    if name in ("make_mesh", "shard_params", "abstract_params"):
         import shardings.mesh
         return getattr(shardings.mesh, name)
     raise AttributeError(f"module 'deepinfer_fn' has no attribute {name!r}")

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from deepinfer_fn.compile_cache import Job, precompile
 from deepinfer_fn.model import transformer
 from deepinfer_fn.params import Params
 from deepinfer_fn.sampling import Role, SamplingParams, request_key, sample, sampling_params
@@ -86,6 +87,10 @@ class GenerateOutput:
                     acceptance_rate=float(g.sum() / v.sum()) if v.sum() else float("nan"))
 
 
+# An empty decode state in one program (eagerly, each array would compile its own).
+empty_state = jax.jit(init_state, static_argnums=(0, 1, 2), static_argnames=("window_slots", "dtype"))
+
+
 def _bucket(n: int, minimum: int = 256) -> int:
     """Round a capacity up to a power of two so repeated calls reuse compiled programs."""
     return max(minimum, 1 << (int(n) - 1).bit_length())
@@ -97,15 +102,16 @@ def _prefill_chunk(params, state, chunk, n_new):
     return logits, state
 
 
-@functools.partial(jax.jit, static_argnames=("n", "stop_tokens", "feed_last"),
-                   donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("n", "feed_last"), donate_argnums=(1,))
 def _decode_block(params: Params, state: DecodeState, logits, done, sampling: SamplingParams,
-                  pad_id, masks=None, session=None, *, n: int, stop_tokens: tuple[int, ...],
+                  pad_id, masks=None, session=None, *, n: int, stops, limit=None,
                   feed_last: bool):
-    """Samples up to n tokens per row inside one `lax.while_loop`, feeding each row its own
-    token (rows that stopped feed nothing and keep their state). Returns
+    """Samples up to `limit` (traced int32, <= n; default n) tokens per row inside one
+    `lax.while_loop`, feeding each row its own token (rows that stopped feed nothing and keep
+    their state). n (static) is the output width: one compiled program serves every
+    limit <= n. stops: int32 [S] stop tokens (-1 = none; `stop_array`). Returns
     (tokens [B,n], logprobs [B,n], counts [B], state, next logits [B,V], done [B]);
-    with feed_last=False the n-th token is not fed (no wasted model step at the very end).
+    with feed_last=False the limit-th token is not fed (no wasted model step at the end).
 
     Constrained (masks: packed allowed-token bits uint32 [B, ceil(V/32)] for the first step;
     session: int32 id of a registered `structured.ConstrainedBatch`): each step samples under
@@ -114,12 +120,12 @@ def _decode_block(params: Params, state: DecodeState, logits, done, sampling: Sa
     finished (they stop). The last masks come back as a 7th output, for the next block.
     """
     B = logits.shape[0]
-    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+    limit = jnp.int32(n) if limit is None else jnp.minimum(limit, n)
     constrained = masks is not None
 
     def cond(loop):
         i, done = loop[0], loop[6]
-        return (i < n) & ~jnp.all(done)
+        return (i < limit) & ~jnp.all(done)
 
     def body(loop):
         i, state, logits, out, logp, count, done = loop[:7]
@@ -149,7 +155,7 @@ def _decode_block(params: Params, state: DecodeState, logits, done, sampling: Sa
         if feed_last:
             state, logits = step((state, logits))
         else:
-            state, logits = jax.lax.cond(i + 1 < n, step, lambda a: a, (state, logits))
+            state, logits = jax.lax.cond(i + 1 < limit, step, lambda a: a, (state, logits))
         return (i + 1, state, logits, out, logp, count, done) + extra
 
     init = (jnp.int32(0), state, logits, jnp.full((B, n), pad_id, jnp.int32),
@@ -207,17 +213,39 @@ def _prefill_chunks(tokens: np.ndarray, lengths: np.ndarray, chunk: int):
     """Chunked prefill of right-padded prompts tokens [B,T]: yields (ids int32 [B,c] on the
     device, next ids [B,c] numpy (the tokens one position later, padding past T), n_new [B],
     ends_here bool [B] numpy (the row's prompt ends in this chunk)) while some row still has
-    tokens. The chunk width c is min(chunk, T rounded up to 16)."""
+    tokens. The chunk width c is `prefill_width(T, chunk)`."""
     T = tokens.shape[1]
-    chunk = max(1, min(chunk, -(-T // 16) * 16))
+    chunk = prefill_width(T, chunk)
     padded = -(-T // chunk) * chunk
     tokens = np.pad(tokens, ((0, 0), (0, padded + 1 - T)))
     for off in range(0, padded, chunk):
         n_new = np.clip(lengths - off, 0, chunk).astype(np.int32)
         if not n_new.any():
             return
-        yield (jnp.asarray(tokens[:, off:off + chunk]), tokens[:, off + 1:off + chunk + 1], n_new,
+        yield (jax.device_put(tokens[:, off:off + chunk]), tokens[:, off + 1:off + chunk + 1], n_new,
                (lengths > off) & (lengths <= off + chunk))
+
+
+def prefill_width(prompt_len: int, chunk: int) -> int:
+    """Width of generate's prefill chunks: the prompt length rounded up to a power of two
+    (at least 16), capped at `chunk`, so prompts of similar lengths share one program."""
+    return max(1, min(int(chunk), _bucket(prompt_len, 16)))
+
+
+def decode_width(max_new_tokens: int, block: int) -> int:
+    """Output width of generate's decode program: `block` when streaming in blocks, else
+    max_new_tokens rounded up to a power of two (at least 16); the loop runs a traced limit."""
+    if block < max_new_tokens:
+        return int(block)
+    return _bucket(max_new_tokens, 16)
+
+
+def stop_array(stop_tokens: Sequence[int]) -> jax.Array:
+    """Stop tokens as int32 [S], padded with -1 to a power of two (at least 4): the decode
+    program takes them as data, so changing them compiles nothing."""
+    stop_tokens = tuple(stop_tokens)
+    width = _bucket(max(len(stop_tokens), 1), 4)
+    return jax.device_put(np.asarray(stop_tokens + (-1,) * (width - len(stop_tokens)), np.int32))
 
 
 def _keep_last(prev, new, ends_here):
@@ -235,7 +263,7 @@ def prefill(params: Params, state: DecodeState, tokens: np.ndarray, lengths: np.
     """Chunked prefill of right-padded prompts; returns (last-token logits [B,V], state)."""
     last = None
     for ids, _, n_new, ends_here in _prefill_chunks(tokens, lengths, chunk):
-        logits, state = _prefill_chunk(params, state, ids, jnp.asarray(n_new))
+        logits, state = _prefill_chunk(params, state, ids, jax.device_put(n_new))
         last = _keep_last(last, logits, ends_here)
     return last, state
 
@@ -405,16 +433,24 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
     Bp = tokens.shape[0]
     need = int(lengths.max()) + max_new_tokens
     capacity = max_len or min(_bucket(need), cfg.max_position_embeddings)
-    state = _on_mesh(init_state(cfg, Bp, capacity, window_slots=window_slots, dtype=params.dtype),
-                     mesh)
+    if mesh is None:  # compile the call's programs in parallel threads first
+        precompile(generate_programs(
+            params, Bp, tokens.shape[1], max_new_tokens, block=block,
+            prefill_chunk=prefill_chunk, max_len=capacity, window_slots=window_slots,
+            num_stop_tokens=len(stop_tokens), constrained=constrained is not None))
+    state = _on_mesh(empty_state(cfg, Bp, capacity, window_slots=window_slots,
+                                 dtype=params.dtype), mesh)
+    pad = jax.device_put(np.int32(cfg.eos_token_id if pad_id is None else pad_id))
+    done = jax.device_put(np.arange(Bp) >= B)  # mesh padding rows never decode
+    stops = stop_array(stop_tokens)
+    width = decode_width(max_new_tokens, block)
     with mesh_context(params)[1]:
         logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
-    pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
-    done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     if constrained is not None:
         yield from _constrained_blocks(params, state, logits, done, sampling, pad, constrained,
                                        B=B, max_new_tokens=max_new_tokens, block=block,
-                                       stop_tokens=stop_tokens, return_logprobs=return_logprobs)
+                                       stops=stops, width=width,
+                                       return_logprobs=return_logprobs)
         return
     produced = 0
     while produced < max_new_tokens:
@@ -422,16 +458,51 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
         last = produced + n >= max_new_tokens
         with mesh_context(params)[1]:
             out, logp, count, state, logits, done = _decode_block(
-                params, state, logits, done, sampling, pad, n=n, stop_tokens=stop_tokens,
-                feed_last=not last)
+                params, state, logits, done, sampling, pad, n=width, stops=stops,
+                limit=np.int32(n), feed_last=not last)
         produced += n
-        yield GenerateOutput(out[:B], count[:B], done[:B], logp[:B] if return_logprobs else None)
-        if last or bool(jnp.all(done[:B])):
+        # Sliced on the host: a device slice would compile a program per (rows, n).
+        out_h, count_h, done_h, logp_h = jax.device_get((out, count, done, logp))
+        yield GenerateOutput(out_h[:B, :n], count_h[:B], done_h[:B],
+                             logp_h[:B, :n] if return_logprobs else None)
+        if last or bool(done_h[:B].all()):
             return
 
 
+def generate_programs(params: Params, batch: int, prompt_len: int, max_new_tokens: int, *,
+                      block: int | None = None, prefill_chunk: int = 512,
+                      max_len: int | None = None, window_slots: int | None = None,
+                      num_stop_tokens: int = 1, constrained: bool = False) -> list[Job]:
+    """The programs a single-device `generate` (block None) or `stream_generate(block=)` call
+    with these shapes runs, as `compile_cache.Job`s: the empty state, the prefill chunk, and
+    the decode loop (one per feed_last variant). `precompile(generate_programs(...))` compiles
+    them in parallel; JAX's in-memory and persistent caches then serve the real call."""
+    cfg = params.config
+    block = max_new_tokens if block is None else max(1, int(block))
+    capacity = max_len or min(_bucket(prompt_len + max_new_tokens), cfg.max_position_embeddings)
+    sd = jax.ShapeDtypeStruct
+    i32 = lambda *shape: sd(shape, jnp.int32)
+    state = jax.eval_shape(lambda: init_state(cfg, batch, capacity, window_slots=window_slots,
+                                              dtype=params.dtype))
+    sampling = jax.eval_shape(lambda: sampling_params(batch))
+    logits, done = sd((batch, cfg.vocab_size), jnp.float32), sd((batch,), jnp.bool_)
+    stops = sd(stop_array((0,) * num_stop_tokens).shape, jnp.int32)
+    masks = ((sd((batch, structured.mask_words(cfg.vocab_size)), jnp.uint32), i32())
+             if constrained else ())
+    width = decode_width(max_new_tokens, block)
+    jobs = [Job(empty_state, (cfg, batch, capacity), dict(window_slots=window_slots,
+                                                           dtype=params.dtype)),
+            Job(_prefill_chunk, (params, state, i32(batch, prefill_width(prompt_len,
+                                                                          prefill_chunk)),
+                                 i32(batch)))]
+    for feed_last in (False, True)[:1 + (max_new_tokens > block)]:
+        jobs.append(Job(_decode_block, (params, state, logits, done, sampling, i32()) + masks,
+                        dict(n=width, stops=stops, limit=i32(), feed_last=feed_last)))
+    return jobs
+
+
 def _constrained_blocks(params, state, logits, done, sampling, pad, constrained, *, B,
-                        max_new_tokens, block, stop_tokens, return_logprobs):
+                        max_new_tokens, block, stops, width, return_logprobs):
     """The decode blocks of `_generate_blocks` under per-step host masks (see `_decode_block`):
     rows [0, B) are the requests, any further rows mesh padding (free, already done)."""
     from deepinfer_fn.api import mesh_context
@@ -446,15 +517,17 @@ def _constrained_blocks(params, state, logits, done, sampling, pad, constrained,
             last = produced + n >= max_new_tokens
             with mesh_context(params)[1]:
                 out, logp, count, state, logits, done, masks = _decode_block(
-                    params, state, logits, done, sampling, pad, masks, sid, n=n,
-                    stop_tokens=stop_tokens, feed_last=not last)
+                    params, state, logits, done, sampling, pad, masks, sid, n=width,
+                    stops=stops, limit=np.int32(n), feed_last=not last)
             produced += n
-            done_host = np.asarray(done)[:B]  # waits for the block: the matchers are up to date
+            # waits for the block: the matchers are up to date
+            out_h, count_h, done_h, logp_h = jax.device_get((out, count, done, logp))
+            done_host = done_h[:B]
             final = last or bool(done_host.all())
             status = tuple(st if st is None or final or done_host[b] else "pending"
                            for b, st in enumerate(constrained.statuses()[:B]))
-            yield GenerateOutput(out[:B], count[:B], done[:B],
-                                 logp[:B] if return_logprobs else None, status)
+            yield GenerateOutput(out_h[:B, :n], count_h[:B], done_host,
+                                 logp_h[:B, :n] if return_logprobs else None, status)
             if final:
                 return
     finally:

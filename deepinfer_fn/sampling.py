@@ -153,10 +153,12 @@ def sampling_params(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=N
     seed in [0, 2**32).
     """
     t, k, p, m, s = check_sampling(batch, temperature, top_k, top_p, min_p, seed)
-    return SamplingParams(
-        temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
-        top_p=jnp.asarray(p, jnp.float32), min_p=jnp.asarray(m, jnp.float32),
-        seed=jnp.asarray(s.astype(np.uint32), jnp.uint32))
+    # Converted on the host and put with device_put: jnp.asarray would compile a small
+    # program per shape and dtype.
+    put = lambda v, dtype: jax.device_put(np.asarray(v).astype(dtype))
+    return SamplingParams(temperature=put(t, np.float32), top_k=put(k, np.int32),
+                          top_p=put(p, np.float32), min_p=put(m, np.float32),
+                          seed=put(s, np.uint32))
 
 
 def request_key(seed, position, *, step=None, slot=None, role: int = Role.GUMBEL) -> jax.Array:
@@ -192,8 +194,10 @@ def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:
 
     Defined explicitly so other code (a fused kernel, a draft) can regenerate the same noise:
     bits = threefry_2x32(key_data(key), arange(V)) (jax's 2-words-per-hash layout, half the
-    hashes of `jax.random.bits` in partitionable mode), u = ((bits >> 8) + 0.5) / 2**24 in (0, 1),
-    G = -log(-log(u)).
+    hashes of `jax.random.bits` in partitionable mode), u = min(((bits >> 8) + 0.5) / 2**24,
+    1 - 2**-24) in (0, 1), G = -log(-log(u)). The clamp matters: in float32 the top value
+    2**24 - 0.5 rounds to 2**24, i.e. u = 1 and G = +inf, which would win the argmax even
+    against a masked (-inf: nan) or filtered-out token.
     """
     counters = jnp.arange(vocab_size, dtype=jnp.uint32)
 
@@ -201,6 +205,7 @@ def gumbel_noise(keys: jax.Array, vocab_size: int) -> jax.Array:
         data = jax.random.key_data(key)
         bits = threefry_2x32((data[0], data[1]), counters)
         u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+        u = jnp.minimum(u, jnp.float32(1.0 - 2.0 ** -24))
         return -jnp.log(-jnp.log(u))
 
     flat = keys.reshape(-1)

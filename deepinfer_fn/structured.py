@@ -28,6 +28,14 @@ and generate() fails that request alone. `ConstrainedBatch` is the host side of 
 consumes each step's sampled tokens and packs the next step's masks for a whole batch (free rows get
 all-ones); `unpack_bitmask` turns packed masks into the sampler's bool mask on device.
 
+A mask never allows a token that `consume` refuses (tests/test_structured_masks.py checks this by
+brute force over the vocabulary). When llguidance cannot compute a mask (a parser or lexer limit,
+an internal error) the row ends with "error: grammar engine could not compute a mask: ..." and an
+all-zero mask, never a permissive one; a token outside the mask it was sampled under (a sampler
+fault) ends the row with "error: token t was sampled outside the mask it was sampled under".
+JSON schemas: keywords llguidance lacks are rewritten, and approximated grammars checked against
+the original schema (`JsonSchema`, `approximate_schema`).
+
 How masks reach the jitted decode loop (generate.py `_decode_block`): the packed masks of step i are
 part of the `while_loop` carry; after sampling step i, one `io_callback` (unordered: the data
 dependency token_i -> mask_{i+1} -> token_{i+1} already orders the calls, and unordered callbacks
@@ -101,6 +109,19 @@ class JsonSchema:
     whitespace rule lets a weak or random model pad forever; set it True to allow pretty-printed
     output. `options` are further llguidance JSON compile options (e.g. `item_separator`,
     `key_separator`, `coerce_one_of`, `lenient`); the schema's own "x-guidance" key overrides both.
+
+    Keywords llguidance lacks are rewritten first (`approximate_schema`): `dependentRequired`,
+    `dependentSchemas` and `dependencies` exactly (an `anyOf` of "present and ..." / "absent");
+    `if`/`then`/`else` and the common forms of `not` (required names, their anyOf, types) by a
+    subset (every output still satisfies them); `uniqueItems` is not enforced; string formats llguidance does not know are dropped (they are annotations).
+    `oneOf` is generated as `anyOf` (`coerce_one_of`, on by default) where llguidance cannot
+    prove the two equal. Whenever the grammar is only an approximation of the schema (a coerced
+    `oneOf`, `uniqueItems`, a conditional, `lenient` ignoring keywords), a complete output is
+    checked against the original schema (the `jsonschema` package, when installed) and a
+    mismatch is the row's status ("error: the output does not satisfy the schema ...").
+    Other unsupported keywords (`propertyNames`, other `not`s, ...) fail the request with an error
+    naming them; `options={"lenient": True}` ignores them while generating instead (the output
+    is then checked as above).
     """
 
     schema: Union[Mapping, str, bool]
@@ -122,6 +143,7 @@ Constraint = Union[Regex, JsonSchema, Grammar]
 
 
 UNSATISFIABLE = "the constraint allows no token here (unsatisfiable)"
+MASK_FAILED = "grammar engine could not compute a mask"
 
 
 class ConstraintError(ValueError):
@@ -135,6 +157,167 @@ def _llg():
         raise ImportError("structured output needs the 'llguidance' package "
                           "(pip install 'llguidance>=1.9')") from e
     return llguidance
+
+
+# ---- JSON schema keywords llguidance lacks, rewritten into ones it has ------------------------------
+
+# Keywords whose value is a subschema, a list of subschemas, or a name -> subschema map.
+_SUB_SCHEMA = ("additionalProperties", "additionalItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems", "items")
+_SUB_LIST = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+# String formats llguidance enforces; others are annotations only (JSON Schema 2020-12, §7.2).
+_LLG_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4",
+                          "ipv6", "uuid", "uri"))
+
+
+def _conditional(node: dict) -> dict | None:
+    """A subset of `if A then B else C`, in keywords llguidance has: anyOf[A and B, B and C]
+    (both imply the conditional; without `else`: B; without `then`: anyOf[A, C], exact)."""
+    a, b, c = node.get("if", True), node.get("then"), node.get("else")
+    if b is None and c is None:
+        return None
+    if c is None:
+        return b
+    if b is None:
+        return {"anyOf": [a, c]}
+    return {"anyOf": [{"allOf": [a, b]}, {"allOf": [b, c]}]}
+
+
+_TYPES = ("null", "boolean", "object", "array", "string", "number", "integer")
+
+
+def _negation(sub):
+    """A schema that implies `not sub`, for the forms schemas use (else None): required names
+    (the first one absent; exact for one name), anyOf of those (all absent), a type (the other
+    types; "number" and "integer" go together), true/false."""
+    if isinstance(sub, bool):
+        return not sub
+    if not isinstance(sub, dict):
+        return None
+    if not sub:
+        return False
+    required = sub.get("required")
+    if isinstance(required, list) and required and isinstance(required[0], str):
+        return {"type": "object", "properties": {required[0]: False}}
+    if set(sub) == {"anyOf"} and isinstance(sub["anyOf"], list) and sub["anyOf"]:
+        parts = [_negation(s) for s in sub["anyOf"]]
+        return None if any(p is None for p in parts) else {"allOf": parts}
+    if set(sub) == {"type"}:
+        types = {sub["type"]} if isinstance(sub["type"], str) else set(sub["type"])
+        if types & {"number", "integer"}:
+            types |= {"number", "integer"}
+        rest = [t for t in _TYPES if t not in types]
+        return {"type": rest} if rest else False
+    return None
+
+
+def _property_names(node: dict) -> dict | None:
+    """`node` (an object schema) with `propertyNames` expressed by keywords llguidance has, for
+    the forms schemas use (else None): any string (dropped), a pattern (the names allowed by
+    `additionalProperties` become one patternProperty; only without properties and
+    patternProperties), an enum of names (each one property, same condition)."""
+    names = node["propertyNames"]
+    if isinstance(names, dict):
+        names = {k: v for k, v in names.items() if k not in ("type", "description", "title")
+                 or (k == "type" and v != "string")}
+    out = {k: v for k, v in node.items() if k != "propertyNames"}
+    if names is True or names == {}:
+        return out
+    if not isinstance(names, dict) or "properties" in node or "patternProperties" in node:
+        return None
+    values = node.get("additionalProperties", True)
+    if set(names) == {"pattern"} and isinstance(names["pattern"], str):
+        return dict(out, patternProperties={names["pattern"]: values}, additionalProperties=False)
+    if (set(names) == {"enum"} and isinstance(names["enum"], list)
+            and all(isinstance(n, str) for n in names["enum"])):
+        return dict(out, properties={n: values for n in names["enum"]}, additionalProperties=False)
+    return None
+
+
+def _dependency(name: str, need) -> dict:
+    """`name` absent, or present together with `need` (a list of required names or a schema)."""
+    absent = {"properties": {name: False}}
+    if isinstance(need, list):
+        present = {"required": [name] + [n for n in need if n != name]}
+    else:
+        present = {"allOf": [{"required": [name]}, need]}
+    return {"anyOf": [present, absent]}
+
+
+def _rewrite(node, notes: set):
+    """The schema `node` with the keywords of `approximate_schema` rewritten (a new object)."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SUB_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _rewrite(out[key], notes)
+    for key in _SUB_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [_rewrite(v, notes) for v in out[key]]
+    for key in _SUB_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _rewrite(v, notes) for k, v in out[key].items()}
+    if isinstance(out.get("format"), str) and out["format"] not in _LLG_FORMATS:
+        del out["format"]           # an annotation: validators need not check it either
+    if out.pop("uniqueItems", False):
+        notes.add("uniqueItems not enforced")
+    if "propertyNames" in out and _property_names(out) is not None:
+        if out["propertyNames"] not in (True, {}, {"type": "string"}):
+            notes.add("propertyNames as properties")
+        out = _property_names(out)
+    extra = []
+    if "not" in out and _negation(out["not"]) is not None:
+        notes.add("not (a subset)")
+        extra.append(_negation(out.pop("not")))
+    if any(k in out for k in ("if", "then", "else")):
+        cond = _conditional(out)
+        if "then" in out:           # without `then` the rewrite is exact
+            notes.add("if/then/else")
+        for k in ("if", "then", "else"):
+            out.pop(k, None)
+        if cond is not None:
+            extra.append(cond)
+    deps = {}
+    if isinstance(out.get("dependencies"), dict):
+        deps.update({k: _rewrite(v, notes) for k, v in out.pop("dependencies").items()})
+    for key in ("dependentRequired", "dependentSchemas"):
+        if isinstance(out.get(key), dict):
+            deps.update(out.pop(key))
+    extra += [_dependency(name, need) for name, need in deps.items()]
+    if extra:
+        allof = out.get("allOf")
+        out["allOf"] = (list(allof) if isinstance(allof, list) else []) + extra
+    return out
+
+
+def approximate_schema(schema: Mapping) -> tuple[dict, tuple[str, ...]]:
+    """(schema llguidance can compile, the approximations made): `dependentRequired`,
+    `dependentSchemas`, `dependencies` become exact anyOf alternatives; `if`/`then`/`else` a
+    subset (`_conditional`), noted "if/then/else"; `not` of the common forms a subset
+    (`_negation`), noted "not (a subset)"; `uniqueItems` is dropped (a superset, noted
+    "uniqueItems not enforced"); `propertyNames` of a pattern or an enum become
+    patternProperties / properties (`_property_names`); a `format` llguidance does not know is
+    dropped (exact: formats are annotations unless a validator opts in). `$ref`s keep pointing at the same definitions
+    (only keywords inside schema objects change)."""
+    notes: set = set()
+    return _rewrite(dict(schema), notes), tuple(sorted(notes))
+
+
+def _json_schema(constraint: "JsonSchema"):
+    """The schema of a JsonSchema as a dict (a bool schema as its dict form)."""
+    schema = constraint.schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ConstraintError(f"JSON schema is not valid JSON: {e}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, Mapping):
+        raise ConstraintError(f"JSON schema must be an object (dict), got {type(schema).__name__}")
+    return dict(schema)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -156,20 +339,12 @@ def grammar_text(constraint: Constraint) -> str:
             raise ConstraintError(f"Grammar text must be a str, got {type(constraint.lark).__name__}")
         return llg.LLMatcher.grammar_from_lark(constraint.lark)
     if isinstance(constraint, JsonSchema):
-        schema = constraint.schema
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ConstraintError(f"JSON schema is not valid JSON: {e}") from None
-        if isinstance(schema, bool):
-            schema = {} if schema else {"not": {}}
-        if not isinstance(schema, Mapping):
-            raise ConstraintError(f"JSON schema must be an object (dict), got {type(schema).__name__}")
-        defaults = {"whitespace_flexible": bool(constraint.whitespace_flexible)}
+        schema, _ = approximate_schema(_json_schema(constraint))
+        defaults = {"whitespace_flexible": bool(constraint.whitespace_flexible),
+                    "coerce_one_of": True}
         defaults.update(constraint.options or {})
         try:
-            return llg.LLMatcher.grammar_from_json_schema(dict(schema), defaults=defaults)
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
         except (ValueError, TypeError) as e:
             raise ConstraintError(f"JSON schema could not be read: {e}") from None
     raise ConstraintError(f"constraint must be deepinfer_fn.Regex, JsonSchema or Grammar, got "
@@ -215,6 +390,66 @@ def _short(message: str) -> str:
     return " ".join(line.split()) or "unknown error"
 
 
+def _compile_error(constraint, message: str) -> str:
+    """The error of a constraint llguidance refused; unsupported JSON Schema keywords named."""
+    kind = type(constraint).__name__
+    if isinstance(constraint, JsonSchema) and message.startswith("Unimplemented keys:"):
+        keys = message.split(":", 1)[1].strip()
+        return (f"invalid {kind}: unsupported JSON Schema keyword(s) {keys} (JsonSchema(..., "
+                f"options={{'lenient': True}}) ignores them while generating and checks the "
+                f"output against the full schema)")
+    return f"invalid {kind}: {message}"
+
+
+def _approximation(warning: str) -> str:
+    """A short name for an llguidance JSON-compile warning (how the grammar departs)."""
+    if warning.startswith("oneOf not fully supported"):
+        return "oneOf as anyOf"
+    if warning.startswith("Unimplemented keys:"):
+        return "ignored keywords " + warning.split(":", 1)[1].strip()
+    if warning.startswith("Unknown format:"):
+        return "ignored format " + warning.split(":", 1)[1].strip()
+    return warning
+
+
+def _jsonschema():
+    """The `jsonschema` and `referencing` modules, or None when they are not installed."""
+    try:
+        import jsonschema
+        import referencing
+        import referencing.exceptions
+    except ImportError:  # pragma: no cover - an optional dependency
+        return None
+    return jsonschema, referencing
+
+
+def _validation_error(schema: Mapping, text: str) -> str | None:
+    """None if `text` is one JSON value valid under `schema` (or jsonschema is not installed),
+    else why not (one line). Only references inside the schema resolve (nothing is fetched)."""
+    modules = _jsonschema()
+    if modules is None:  # pragma: no cover
+        return None
+    jsonschema, referencing = modules
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e}"
+
+    def refuse(uri):
+        raise referencing.exceptions.NoSuchResource(ref=uri)
+
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        validator = cls(schema, registry=referencing.Registry(retrieve=refuse))
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except Exception as e:  # noqa: BLE001 - an unresolvable $ref, a malformed keyword
+        return f"could not be checked: {type(e).__name__}: {_short(str(e))}"
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"at '/{where}': {_short(error.message)[:200]}"
+
+
 def pack_mask(allowed) -> np.ndarray:
     """bool [..., V] -> uint32 [..., ceil(V/32)] (bit t % 32 of word t // 32 is token t)."""
     allowed = np.asarray(allowed, bool)
@@ -242,10 +477,15 @@ class Matcher:
     """One request's constraint state over the model's vocabulary (see the module docstring).
 
     `vocab_size` is the model's (default: the tokenizer's); it must be >= the tokenizer's.
+    `limits`: llguidance parser limits (`llguidance.LLParserLimits` keyword names, e.g.
+    `step_max_items`); a mask step that exceeds one ends the request with an error.
     Never raises for a bad constraint: check `error` (a one-line message) instead.
+    `approximations` names how a JsonSchema's grammar departs from the schema (empty: exact);
+    when it is not empty, `status()` checks a complete output against the original schema.
     """
 
-    def __init__(self, constraint: Constraint, tokenizer, vocab_size: int | None = None):
+    def __init__(self, constraint: Constraint, tokenizer, vocab_size: int | None = None, *,
+                 limits: Mapping | None = None):
         V_tok = int(tokenizer.vocab_size)
         self.vocab_size = V_tok if vocab_size is None else int(vocab_size)
         if self.vocab_size < V_tok:
@@ -257,6 +497,10 @@ class Matcher:
         self.think_first = bool(getattr(constraint, "think_first", False))
         self.end_of_thinking_id = tokenizer.end_of_thinking_id
         self.error: str | None = None
+        self.approximations: tuple[str, ...] = ()
+        self._schema = None           # the original JSON schema (validated when approximated)
+        self._answer_ids: list[int] = []   # grammar tokens consumed, EOS excluded
+        self._checked: tuple[int, str | None] | None = None  # (len(_answer_ids), mismatch)
         self._thinking = self.think_first
         self._think_tokens = 0      # tokens consumed while thinking, </think> included
         self._answer_tokens = 0     # tokens consumed by the grammar, EOS included
@@ -267,16 +511,24 @@ class Matcher:
             return
         try:
             lt = ll_tokenizer(tokenizer)
+            self._lt = lt
             self._ll_words = mask_words(lt.vocab_size)
             self._tok_vocab = lt.vocab_size
             grammar = grammar_text(constraint)
-            self._ll = _llg().LLMatcher(lt, grammar, log_level=0)
+            llg = _llg()
+            self._ll = llg.LLMatcher(lt, grammar, log_level=0,
+                                     limits=None if limits is None else llg.LLParserLimits(**limits))
         except ConstraintError as e:
             self.error = str(e)
             return
-        if self._ll.is_error():
-            self.error = f"invalid {type(constraint).__name__}: {_short(self._ll.get_error())}"
         self._scratch = np.zeros((self._ll_words,), np.uint32)
+        if self._ll.is_error():
+            self.error = _compile_error(constraint, _short(self._ll.get_error()))
+        elif isinstance(constraint, JsonSchema):
+            self._schema = _json_schema(constraint)
+            notes = set(approximate_schema(self._schema)[1])
+            notes.update(_approximation(_short(w)) for w in self._ll.get_grammar_warnings())
+            self.approximations = tuple(sorted(notes))
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -303,10 +555,31 @@ class Matcher:
 
     def status(self) -> str:
         """'complete' (a full match), 'incomplete' (the text so far is only a prefix of one),
-        or 'error: <message>'."""
+        or 'error: <message>' -- also for a complete output of an approximated JSON schema
+        that the original schema rejects."""
         if self.error is not None:
             return f"error: {self.error}"
-        return "complete" if self.is_accepting() else "incomplete"
+        if not self.is_accepting():
+            return "incomplete"
+        mismatch = self.schema_mismatch()
+        if mismatch is not None:
+            return (f"error: the output does not satisfy the schema (generated under the "
+                    f"approximation {', '.join(self.approximations)}): {mismatch}")
+        return "complete"
+
+    def answer_text(self) -> str:
+        """The constrained text consumed so far (after `</think>`, EOS excluded)."""
+        return self._lt.decode_bytes(self._answer_ids).decode("utf-8", errors="replace")
+
+    def schema_mismatch(self) -> str | None:
+        """For an approximated JSON schema: why the text so far fails the original schema
+        (None: it passes, or nothing to check). Checked once per text length."""
+        if not self.approximations or self._schema is None:
+            return None
+        n = len(self._answer_ids)
+        if self._checked is None or self._checked[0] != n:
+            self._checked = (n, _validation_error(self._schema, self.answer_text()))
+        return self._checked[1]
 
     # ---- masks ------------------------------------------------------------------------------
 
@@ -335,10 +608,10 @@ class Matcher:
         if ll_mask is None:
             ll_mask = self._scratch
             self._ll.unsafe_compute_mask_ptr(ll_mask.ctypes.data, ll_mask.nbytes)
-            if self._ll.is_error():
-                self.error = _short(self._ll.get_error())
-                out[:] = 0
-                return
+        if self._ll.is_error():  # never a permissive mask: llguidance writes EOS-only ones
+            self.mask_failed()
+            out[:] = 0
+            return
         n = self._ll_words
         out[:n] = ll_mask
         out[n:] = 0
@@ -347,6 +620,11 @@ class Matcher:
             out[n - 1] &= np.uint32((1 << rest) - 1)
         if empty_is_error and not out.any():
             self.error = UNSATISFIABLE
+
+    def mask_failed(self):
+        """Records llguidance's failure to compute the next mask (a limit, an internal error)."""
+        if self.error is None:
+            self.error = f"{MASK_FAILED}: {_short(self._ll.get_error())}"
 
     def allowed_mask(self) -> np.ndarray:
         """Packed mask of the tokens allowed next: uint32 [ceil(vocab_size / 32)]."""
@@ -384,6 +662,7 @@ class Matcher:
                           + (f": {_short(self._ll.get_error())}" if self._ll.is_error() else ""))
             return False
         self._answer_tokens += 1
+        self._answer_ids.append(token)
         return True
 
     def consume_many(self, tokens: Sequence[int]) -> int:
@@ -405,6 +684,8 @@ class Matcher:
             if ll_k and not self._ll.rollback(ll_k):
                 self.error = f"rollback failed: {_short(self._ll.get_error())}"
                 return False
+            if ll_k:
+                del self._answer_ids[-ll_k:]
             self._answer_tokens -= k
             self._eos_consumed = False
         if n > k:  # back into the thinking part: </think> itself is undone
@@ -506,11 +787,9 @@ class ConstrainedBatch:
                 self._ll_words * 4, self._scratch.shape[0])
             ll_set = set(ll_rows)
             for b in rows:
-                m = self.matchers[b]
-                if b in ll_set and m._ll.is_error():
-                    m.error = _short(m._ll.get_error())
-                m.fill_mask(self._masks[b], self._scratch[b] if b in ll_set else None,
-                            empty_is_error=empty_is_error)
+                self.matchers[b].fill_mask(self._masks[b],
+                                           self._scratch[b] if b in ll_set else None,
+                                           empty_is_error=empty_is_error)
         else:
             for b in rows:
                 self.matchers[b].fill_mask(self._masks[b], empty_is_error=empty_is_error)
@@ -531,7 +810,7 @@ class ConstrainedBatch:
         for b, m in enumerate(self.matchers):
             if m is None or not active[b]:
                 continue
-            m.consume(int(tokens[b]))
+            self._consume_sampled(m, b, int(tokens[b]))
             if m.is_finished():
                 finished[b] = True
                 self._masks[b] = 0xFFFFFFFF
@@ -544,6 +823,15 @@ class ConstrainedBatch:
                 self._masks[b] = 0xFFFFFFFF
         self.step_seconds.append(time.perf_counter() - t0)
         return self._masks.copy(), finished
+
+    def _consume_sampled(self, m: Matcher, b: int, t: int):
+        """Row b consumes the token sampled under its last mask; a token outside that mask (a
+        sampler fault: the mask is exact) ends the row with an error saying so."""
+        if not m.is_finished() and not (
+                0 <= t < self.vocab_size and (int(self._masks[b, t >> 5]) >> (t & 31)) & 1):
+            m.error = f"token {t} was sampled outside the mask it was sampled under"
+            return
+        m.consume(t)
 
     def statuses(self) -> tuple[str | None, ...]:
         return tuple(None if m is None else m.status() for m in self.matchers)
@@ -681,6 +969,7 @@ def _matcher_copy(self: Matcher) -> Matcher:
     if self._ll is not None:
         new._ll = self._ll.deep_copy()
         new._scratch = np.zeros_like(self._scratch)
+    new._answer_ids = list(self._answer_ids)
     return new
 
 
