@@ -1,0 +1,1006 @@
+"""One GPU benchmark of the lean program: compile, decode, prefill, kernels, the transformers
+peer and the README main job, all measured in one run, as ratios against the HBM bandwidth
+and the bf16 matmul peak measured in the same run.
+
+    python benchmarks/lean.py                         # full run (H200, ~8 minutes)
+    python benchmarks/lean.py --quick                 # CPU smoke run, tiny shapes
+    python benchmarks/lean.py --sections decode,kernels --out /tmp/lean.json
+
+Sections (`--sections`, default all), each run in its own subprocess under a wall-clock
+budget (`--budget compile=200,decode=120`): a section past its budget is stopped and keeps
+the items it finished; the JSON (`--out`, default benchmarks/results/lean_h200.json) is
+rewritten after every section, then the plot (`benchmarks/plot_lean.py`).
+
+* compile: lower + compile seconds, persistent cache off, of the decode step
+  (`forward_chunk`, 1 token, batch 16, state donated, context 4k) and a prefill chunk
+  (1 x 512) for the default model, `tiny`, `mini` and `v4-flash` (abstract weights), one
+  subprocess per model (`--compile-timeout`), each also counting the program's kernels.
+* decode (`mini`, bf16): step time inside a jitted `fori_loop` of `--steps` decode steps
+  feeding back the argmax token, state donated, at batch 1/16/64/256 x context 4k/32k, against
+  the HBM roofline: bytes = weights read once per step + decode state read (`decode_bytes`)
+  over the bandwidth of a large on-device `x + 1` measured in the same process.
+* prefill (`mini`): one `forward_chunk` of 1 x 4096 and 8 x 512 tokens on an empty state,
+  against the bf16 peak of a large matmul loop measured in the same process; FLOPs counted
+  from the config (`prefill_flops`: matmuls and attention, spec/model.md §2.5-§2.9).
+* kernels: `hlo_count` of the compiled decode step (total, per layer, per category, per
+  source file), reused from the compile section when that ran.
+* peer: transformers `DeepseekV4ForCausalLM` (eager, bf16, random weights) on the same `mini`
+  config when torch and transformers import: decode ms/step at batch 1 and 64 with 4k
+  context, prefill tokens/s at 1 x 4096.
+* mainjob: `python -m deepinfer_fn generate --prompt "import os" --max-new-tokens 96
+  --temperature 0.7 --top-p 0.95` wall time with an empty cache directory, then again with it.
+
+JSON: {"meta": {started, quick, sections, budgets_s, plan, argv},
+       "compile": {"models": {name: {"rows": [{model, program, batch, tokens, context, layers,
+                   lower_s, compile_s, lower_plus_compile_s, kernels: hlo_count summary} | {...,
+                   error, lower_plus_compile_s_at_least}], wall_s, timed_out, rc, timeout_s}}},
+       "decode": {"rows": [{kind: "bandwidth", Bps, bytes}, {kind: "decode", batch, context,
+                  step_ms, tokens_per_s, roofline_ms, roofline_ratio, bytes_per_step: {...},
+                  compile_s, loop_kernels?}]},
+       "prefill": {"rows": [{kind: "peak", flops_per_s, n}, {kind: "prefill", batch, tokens, ms,
+                   tokens_per_s, flops: {matmul, attention, total, ...}, achieved_flops_per_s,
+                   peak_ratio, matmul_peak_ratio, compile_s}]},
+       "kernels": {"rows": [{model, program, batch, context, report: hlo_count summary}]},
+       "peer": {"rows": [{name: "model" | "prefill" | "decode B=..", step_ms, tokens_per_s, ..}]},
+       "mainjob": {"rows": [{cache: "cold" | "warm", wall_s, rc}], command},
+       "summary": {"headline": {"compile_s/mini/decode": .., "decode_roofline_ratio/B1/ctx4096":
+                   .., ...}, "targets": {key: {value, target, met}}}}
+Each section also has wall_s / section_wall_s; a row that failed or was skipped has "error".
+"""
+
+from __future__ import annotations
+
+# jax and deepinfer_fn are imported inside the section workers: each worker sets the
+# compilation-cache environment before its first jax import.
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The script's own folder would shadow packages by benchmark names (benchmarks/kernels.py hides
+# the `kernels` package transformers probes for): import benchmarks as a package instead.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+sys.path.insert(0, ROOT)
+
+SECTIONS = ("compile", "mainjob", "peer", "decode", "prefill", "kernels")
+BUDGET_S = {"compile": 180, "mainjob": 60, "peer": 50, "decode": 150, "prefill": 40,
+            "kernels": 30}
+QUICK_BUDGET_S = {"compile": 90, "mainjob": 90, "peer": 30, "decode": 60, "prefill": 45,
+                  "kernels": 30}
+# --quick: XLA:CPU without LLVM's backend optimisations (compiles about twice as fast).
+QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "lean_h200.json")
+README_JOB = ["generate", "--prompt", "import os", "--max-new-tokens", "96",
+              "--temperature", "0.7", "--top-p", "0.95"]
+
+
+# ================================================================ shapes of the run
+def plan(quick: bool) -> dict:
+    """Every shape the run measures (`--quick`: tiny shapes for a CPU smoke run)."""
+    if quick:
+        return dict(compile_models=("tiny",), compile_batch=2, compile_context=256,
+                    prefill_chunk=64, preset="tiny", batches=(1, 4), contexts=(128,),
+                    target_batches=(1, 4), steps=4, reps=2, prefill_shapes=((1, 128), (2, 64)), bw_mib=64,
+                    peak_n=512, peak_iters=4, peer_context=64, peer_batches=(1, 4),
+                    peer_prefill=64, mainjob_tokens=8)
+    return dict(compile_models=("default", "tiny", "mini", "v4-flash"), compile_batch=16,
+                compile_context=4096, prefill_chunk=512, preset="mini", batches=(1, 16, 64, 256),
+                contexts=(4096, 32768), target_batches=(1, 64), steps=32, reps=5, prefill_shapes=((1, 4096), (8, 512)),
+                bw_mib=4096, peak_n=8192, peak_iters=20, peer_context=4096,
+                peer_batches=(1, 64), peer_prefill=4096, mainjob_tokens=96)
+
+
+def decode_points(p: dict) -> list[tuple[int, int]]:
+    """(batch, context) in priority order: the targets (4k; batch 1, 64) first."""
+    pts = [(b, c) for c in p["contexts"] for b in p["batches"]]
+    first = [(b, p["contexts"][0]) for b in p["target_batches"]]
+    return first + [x for x in pts if x not in first]
+
+
+# ================================================================ byte and FLOP models
+def expected_experts(E: int, k: int, tokens: int) -> float:
+    """Distinct experts touched by `tokens` tokens each routed to k distinct of E experts,
+    uniform routing: E (1 - (1 - k/E)^tokens) (-> E when tokens * k >> E)."""
+    return E * (1.0 - (1.0 - k / E) ** tokens)
+
+
+def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2) -> dict:
+    """Bytes one decode step must read from HBM at `context` tokens per row.
+
+    weights: the (abstract) params. Read once per step: every dense weight (its own dtype),
+    the routed experts the batch touches (`expected_experts` per MoE layer), `batch`
+    embedding rows; the MTP block is not run. State read per row and layer (spec/model.md §3):
+    the window ring (W slots of d), CSA: the selected rows (min(topk, context/m) of d), every
+    indexer row (context/m of d_I) and both compressor rings, HCA: every row (context/m of d)
+    and its ring. State writes (one row per layer) are not counted.
+    """
+    import jax
+    import numpy as np
+    from deepinfer_fn.config import CSA, HCA
+
+    dense = experts = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(weights.weights)[0]:
+        names = _path_names(path)
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        if "mtp" in names or names[-1] in ("embed", "tid2eid"):
+            continue
+        if names[-1] in ("w1", "w2", "w3") and "shared" not in names:
+            experts += nbytes
+        else:
+            dense += nbytes
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = expected_experts(E, k, batch)
+    expert_bytes = experts / E * touched
+    d, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+    state = 0
+    for lt in cfg.layer_types:
+        state += W * (d * itemsize + 4)
+        if lt == CSA:
+            m = cfg.csa_ratio
+            rows = context // m
+            state += min(cfg.index_topk, rows) * d * itemsize + rows * dI * itemsize
+            state += 2 * m * (2 * d + 2 * dI) * (itemsize + 4)
+        elif lt == HCA:
+            m = cfg.hca_ratio
+            state += context // m * d * itemsize + m * d * (itemsize + 4)
+    embed = batch * cfg.hidden_size * itemsize
+    total = dense + expert_bytes + embed + state * batch
+    return {"weights_dense": int(dense), "weights_experts_touched": int(expert_bytes),
+            "experts_touched_per_layer": touched, "embed_rows": embed, "state": state * batch,
+            "total": int(total)}
+
+
+def token_matmul_flops(cfg) -> dict:
+    """Matmul FLOPs (2 per multiply-add) of one token through the layer stack, per part,
+    from the config (spec/model.md §2.3, §2.5-§2.9)."""
+    from deepinfer_fn.config import CSA, HCA
+    D, H, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    G, R, ql = cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
+    HI, dI = cfg.index_n_heads, cfg.index_head_dim
+    E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    parts = {"mhc": 0, "attention_proj": 0, "compressor": 0, "indexer": 0, "moe": 0}
+    for lt in cfg.layer_types:
+        parts["mhc"] += 2 * n * D * (2 + n) * n
+        parts["attention_proj"] += D * ql + ql * H * d + D * d + H * d * R + G * R * D
+        if lt == CSA:
+            parts["compressor"] += 2 * D * 2 * d
+            parts["indexer"] += 2 * D * 2 * dI + ql * HI * dI + D * HI
+        elif lt == HCA:
+            parts["compressor"] += 2 * D * d
+        parts["moe"] += D * E + (k + cfg.n_shared_experts) * 3 * D * I
+    return {key: 2 * v for key, v in parts.items()}
+
+
+def attention_flops(cfg, positions) -> dict:
+    """Core attention and indexer FLOPs of queries at the given absolute positions
+    (spec/model.md §2.7-§2.8): 4 H d per (query, key) over the window (min(t+1, W) keys) plus
+    the compressed keys (HCA: every visible row; CSA: min(topk, visible rows)); the CSA
+    indexer scores every visible row at 2 H_I d_I."""
+    import numpy as np
+    from deepinfer_fn.config import CSA, HCA
+    t = np.asarray(positions, np.int64)
+    H, d, HI, dI = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
+    core = index = 0
+    for lt in cfg.layer_types:
+        keys = np.minimum(t + 1, cfg.sliding_window)
+        if lt == CSA:
+            rows = (t + 1) // cfg.csa_ratio
+            keys = keys + np.minimum(cfg.index_topk, rows)
+            index += int(2 * HI * dI * rows.sum())
+        elif lt == HCA:
+            keys = keys + (t + 1) // cfg.hca_ratio
+        core += int(4 * H * d * keys.sum())
+    return {"core": core, "indexer": index}
+
+
+def prefill_flops(cfg, batch: int, tokens: int) -> dict:
+    """FLOPs of one prefill chunk of `tokens` tokens per row from position 0 (last-token
+    logits only, as `forward_chunk` returns)."""
+    import numpy as np
+    per_token = token_matmul_flops(cfg)
+    matmul = batch * tokens * sum(per_token.values())
+    head = batch * 2 * (cfg.hidden_size * cfg.vocab_size + cfg.hc_mult * cfg.hidden_size * cfg.hc_mult)
+    att = attention_flops(cfg, np.arange(tokens))
+    attn = batch * (att["core"] + att["indexer"])
+    return {"matmul": int(matmul + head), "attention": int(attn), "total": int(matmul + head + attn),
+            "matmul_per_token": per_token, "attention_parts": {k: batch * v for k, v in att.items()}}
+
+
+# ================================================================ model inputs
+def _path_names(path) -> list[str]:
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(str(getattr(k, attr)))
+                break
+    return out or [""]
+
+
+def abstract_weights(cfg, dtype):
+    """ShapeDtypeStructs of the backbone weights, nothing allocated."""
+    import jax
+    import deepinfer_fn as di
+    from deepinfer_fn.params import Params, is_spec, leaf_dtype, param_specs
+    if hasattr(di, "abstract_params"):
+        out = di.abstract_params(cfg, dtype)
+        return out if isinstance(out, Params) else Params(out, cfg)
+    specs = param_specs(cfg, include_mtp=False)
+    return Params(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, leaf_dtype(s, dtype)),
+                               specs, is_leaf=is_spec), cfg)
+
+
+def random_weights(cfg, dtype, seed: int = 0):
+    """Random weights drawn on the device, shaped like `abstract_weights` (norms and scales
+    ones, index tables uniform over the experts, matrices uniform of variance 1/fan_in)."""
+    import jax
+    import jax.numpy as jnp
+    from deepinfer_fn.params import Params
+    abstract = abstract_weights(cfg, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.weights)
+
+    def draw():                      # one program for every leaf
+        keys = jax.random.split(jax.random.key(seed, impl="rbg"), len(leaves))
+        out = []
+        for (path, s), key in zip(leaves, keys):
+            name = _path_names(path)[-1]
+            if jnp.issubdtype(s.dtype, jnp.integer):
+                out.append(jax.random.randint(key, s.shape, 0, cfg.n_routed_experts, s.dtype))
+            elif "norm" in name or "scale" in name:
+                out.append(jnp.ones(s.shape, s.dtype))
+            else:
+                a = math.sqrt(3.0 / (s.shape[-2] if len(s.shape) >= 2 else 1))   # var 1/fan_in
+                out.append(jax.random.uniform(key, s.shape, jnp.float32, -a, a).astype(s.dtype))
+        return out
+    return Params(jax.tree.unflatten(treedef, jax.jit(draw)()), cfg)
+
+
+def filled_state(cfg, batch: int, context: int, dtype, slack: int = 256, seed: int = 1):
+    """A decode state holding `context` tokens per row: random rows and rings, the window
+    ring's positions those of the last W tokens (any layer grouping of the state)."""
+    import jax
+    import jax.numpy as jnp
+    import deepinfer_fn as di
+
+    def fill():                      # one program for every leaf
+        st = di.init_state(cfg, batch, context + slack, dtype=dtype)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(st)
+        keys = jax.random.split(jax.random.key(seed, impl="rbg"), len(leaves))
+        out = []
+        for (path, arr), key in zip(leaves, keys):
+            name = _path_names(path)[-1]
+            if name == "window_pos":
+                slots = arr.shape[-1]
+                first = context - slots
+                pos = first + (jnp.arange(slots) - first) % slots   # slot s holds p = s mod slots
+                out.append(jnp.broadcast_to(pos, arr.shape).astype(arr.dtype))
+            elif name == "lengths":
+                out.append(jnp.full(arr.shape, context, arr.dtype))
+            elif jnp.issubdtype(arr.dtype, jnp.floating):
+                out.append(jax.random.uniform(key, arr.shape, jnp.float32, -1.0, 1.0).astype(arr.dtype))
+            else:
+                out.append(arr)
+        return jax.tree.unflatten(treedef, out)
+    return jax.jit(fill)()
+
+
+def abstract_state(cfg, batch: int, max_len: int, dtype):
+    import jax
+    import deepinfer_fn as di
+    return jax.eval_shape(lambda: di.init_state(cfg, batch, max_len, dtype=dtype))
+
+
+def layers_per_iteration(cfg) -> int | None:
+    """Layers one iteration of the scanned layer group runs (None: the stack is unrolled)."""
+    try:
+        from deepinfer_fn.layer_groups import layer_groups
+        scanned = [g for g in layer_groups(cfg) if g.scanned]
+    except (ImportError, AttributeError):
+        return None
+    return scanned[0].unit if scanned else None
+
+
+# ================================================================ programs
+def decode_step_fn():
+    """(params, state [B], token [B]) -> (next token [B], state): one `forward_chunk` step."""
+    import jax.numpy as jnp
+    from deepinfer_fn.model import transformer
+
+    def step(params, state, token):
+        B = token.shape[0]
+        logits, state, _ = transformer.forward_chunk(params, state, token[:, None],
+                                                     jnp.ones((B,), jnp.int32))
+        return jnp.argmax(logits, -1).astype(jnp.int32), state
+    return step
+
+
+def decode_loop_fn(n: int):
+    """n decode steps in one `fori_loop`, each feeding back its argmax token."""
+    import jax
+    step = decode_step_fn()
+
+    def loop(params, state, token):
+        def body(_, carry):
+            st, tok = carry
+            tok, st = step(params, st, tok)
+            return st, tok
+        return jax.lax.fori_loop(0, n, body, (state, token))
+    return loop
+
+
+def prefill_fn():
+    """(params, state, ids [B,S]) -> (last logits [B,V], state): one prefill chunk."""
+    import jax.numpy as jnp
+    from deepinfer_fn.model import transformer
+
+    def prefill(params, state, ids):
+        B, S = ids.shape
+        logits, state, _ = transformer.forward_chunk(params, state, ids, jnp.full((B,), S, jnp.int32))
+        return logits, state
+    return prefill
+
+
+def model_for(name: str, dtype):
+    """(params or abstract params, config) of 'default' (the embedded checkpoint, loaded),
+    'tiny'/'mini' (abstract) or 'v4-flash' (abstract)."""
+    import deepinfer_fn as di
+    if name == "default":
+        params = di.load_params(di.default_model_path(), dtype=dtype)
+        return params, params.config
+    cfg = di.ModelConfig.preset(name)
+    return abstract_weights(cfg, dtype), cfg
+
+
+# ================================================================ worker plumbing
+class Fragment:
+    """Rows a section worker appends, one JSON line each (survives the worker being killed)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def add(self, kind: str, quiet: bool = False, **row):
+        row["kind"] = kind
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, default=_jsonable) + "\n")
+        if not quiet:
+            print(_table_line(row), flush=True)
+
+
+def _jsonable(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _table_line(row: dict) -> str:
+    kind = row.get("kind")
+    if "error" in row:
+        return f"  [{kind}] {row.get('name', '')} ERROR {row['error'][:300]}"
+    if kind == "compile":
+        k = row.get("kernels", {})
+        return (f"  compile {row['model']:9s} {row['program']:8s} lower {row['lower_s']:7.2f} s  "
+                f"compile {row['compile_s']:7.2f} s  kernels {k.get('kernels', '?')}")
+    if kind == "bandwidth":
+        return f"  HBM bandwidth (x + 1, {row['bytes'] / 2**30:.2f} GiB moved): {row['Bps'] / 1e9:.1f} GB/s"
+    if kind == "peak":
+        return f"  bf16 matmul peak ({row['n']}^3): {row['flops_per_s'] / 1e12:.1f} TFLOP/s"
+    if kind == "decode":
+        return (f"  decode B={row['batch']:4d} ctx={row['context']:6d} step {row['step_ms']:8.3f} ms "
+                f"{row['tokens_per_s']:10.1f} tok/s  roofline {row['roofline_ms']:7.3f} ms  "
+                f"ratio {row['roofline_ratio']:.3f}  (compile {row['compile_s']:.1f} s)")
+    if kind == "prefill":
+        return (f"  prefill {row['batch']}x{row['tokens']}: {row['ms']:8.2f} ms {row['tokens_per_s']:9.0f} tok/s "
+                f"{row['achieved_flops_per_s'] / 1e12:7.1f} TFLOP/s  peak ratio {row['peak_ratio']:.3f} "
+                f"(matmul only {row['matmul_peak_ratio']:.3f})")
+    if kind == "kernels":
+        r = row["report"]
+        per = r.get("kernels_per_layer", 0)
+        cats = ", ".join(f"{a} {b}" for a, b in list(r["by_category"].items())[:6])
+        return f"  kernels {row['model']} {row['program']}: {r['kernels']} ({per:.1f}/layer) {cats}"
+    if kind == "peer":
+        return f"  peer {row.get('name')}: " + ", ".join(
+            f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()
+            if a not in ("kind", "name"))
+    if kind == "mainjob":
+        return (f"  mainjob {row['cache']}: {row['wall_s']:.2f} s rc={row['rc']} "
+                f"(cache entries after: {row.get('cache_entries_after')})")
+    return "  " + json.dumps(row)[:300]
+
+
+def _setup_jax(cache: bool):
+    """Imports jax with the persistent compilation cache on (the run's cache dir) or off."""
+    if not cache:
+        os.environ["DEEPINFER_COMPILE_CACHE"] = "off"
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    import jax
+    __import__("deepinfer_fn")        # its import may enable the cache: turned off again below
+    if not cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+    return jax
+
+
+def _block(x):
+    import jax
+    return jax.block_until_ready(x)
+
+
+def _median_time(fn, reps: int) -> float:
+    import numpy as np
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _block(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# ================================================================ section workers
+def worker_compile(args, p, frag: Fragment):
+    """One model's decode-step and prefill-chunk programs: lower + compile, cache off."""
+    jax = _setup_jax(cache=False)
+    import jax.numpy as jnp
+    from benchmarks import hlo_count
+    dtype = jnp.bfloat16
+    name = args.model
+    t0 = time.perf_counter()
+    params, cfg = model_for(name, dtype)
+    load_s = time.perf_counter() - t0
+    B, ctx, S = p["compile_batch"], p["compile_context"], p["prefill_chunk"]
+    programs = {
+        "decode": (jax.jit(decode_step_fn(), donate_argnums=(1,)),
+                   (abstract_state(cfg, B, ctx, dtype), jax.ShapeDtypeStruct((B,), jnp.int32))),
+        "prefill": (jax.jit(prefill_fn(), donate_argnums=(1,)),
+                    (abstract_state(cfg, 1, ctx, dtype), jax.ShapeDtypeStruct((1, S), jnp.int32))),
+    }
+    for prog, (fn, rest) in programs.items():
+        frag.add("started", quiet=True, model=name, program=prog, at=time.time())
+        try:
+            t0 = time.perf_counter()
+            lowered = fn.lower(params, *rest)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            report = hlo_count.count_compiled(compiled, layers=cfg.num_hidden_layers,
+                                              layers_per_iteration=layers_per_iteration(cfg))
+            frag.add("compile", model=name, program=prog, layers=cfg.num_hidden_layers,
+                     batch=B if prog == "decode" else 1, tokens=1 if prog == "decode" else S,
+                     context=ctx, load_s=load_s, lower_s=t1 - t0, compile_s=t2 - t1,
+                     lower_plus_compile_s=t2 - t0, kernels=_kernel_summary(report))
+            del compiled, lowered
+        except Exception as e:  # noqa: BLE001  (one program failing must not lose the others)
+            frag.add("compile", model=name, program=prog, name=f"{name}/{prog}",
+                     error=f"{type(e).__name__}: {e}")
+
+
+def _kernel_summary(report: dict) -> dict:
+    keep = ("kernels", "kernels_per_layer", "per_layer_in_loop", "outside_loop",
+            "by_category", "by_source", "per_iteration_only", "cost")
+    out = {k: report[k] for k in keep if k in report}
+    out["loops"] = report["loops"][:4]
+    return out
+
+
+def hbm_bandwidth(jax, mib: int, reps: int = 10) -> tuple[float, int]:
+    """(bytes/s, bytes moved) of `x + 1` on a float32 array of `mib` MiB (read + write)."""
+    import jax.numpy as jnp
+    n = mib * 2**20 // 4
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    _block(f(x))
+    t = _median_time(lambda: f(x), reps)
+    return 2 * n * 4 / t, 2 * n * 4
+
+
+def matmul_peak(jax, n: int, iters: int) -> float:
+    """bf16 FLOP/s of `iters` chained n x n x n matmuls in one jitted loop."""
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = (jax.random.normal(jax.random.key(1), (n, n), jnp.float32) / math.sqrt(n)).astype(jnp.bfloat16)
+    f = jax.jit(lambda x, w: jax.lax.fori_loop(0, iters, lambda i, c: jnp.dot(c, w), x))
+    _block(f(a, b))
+    t = _median_time(lambda: f(a, b), 5)
+    return 2.0 * n ** 3 * iters / t
+
+
+def worker_decode(args, p, frag: Fragment):
+    jax = _setup_jax(cache=True)
+    import jax.numpy as jnp
+    import deepinfer_fn as di
+    from benchmarks import hlo_count
+    deadline = args.deadline
+    cfg = di.ModelConfig.preset(p["preset"])
+    bw, moved = hbm_bandwidth(jax, p["bw_mib"])
+    frag.add("bandwidth", Bps=bw, bytes=moved, device=jax.devices()[0].device_kind)
+    params = random_weights(cfg, jnp.bfloat16)
+    _block(params)
+    n, reps = p["steps"], p["reps"]
+    loop = jax.jit(decode_loop_fn(n), donate_argnums=(1,))
+    last = 0.0
+    for batch, context in decode_points(p):
+        if time.time() + last > deadline:
+            frag.add("decode", name=f"B={batch} ctx={context}", batch=batch, context=context,
+                     error="skipped: section time budget")
+            continue
+        t_start = time.time()
+        try:
+            state = filled_state(cfg, batch, context, jnp.bfloat16, slack=(reps + 2) * n + 8)
+            token = jnp.zeros((batch,), jnp.int32)
+            t0 = time.perf_counter()
+            compiled = loop.lower(params, state, token).compile()
+            compile_s = time.perf_counter() - t0
+            state, token = compiled(params, state, token)        # warm-up
+            _block(token)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                state, token = compiled(params, state, token)
+                _block(token)
+                times.append(time.perf_counter() - t0)
+            step_s = sorted(times)[len(times) // 2] / n
+            need = decode_bytes(cfg, params, batch, context + n + reps * n // 2)  # mean timed
+            roof = need["total"] / bw
+            row = dict(batch=batch, context=context, steps=n, reps=reps, step_ms=step_s * 1e3,
+                       tokens_per_s=batch / step_s, roofline_ms=roof * 1e3,
+                       roofline_ratio=roof / step_s, bytes_per_step=need, compile_s=compile_s)
+            if context == p["contexts"][0] and batch in p["target_batches"]:
+                rep = hlo_count.count_text(compiled.as_text(), layers=cfg.num_hidden_layers)
+                row["loop_kernels"] = {"loops": rep["loops"][:4], "kernels_total": rep["kernels"]}
+            frag.add("decode", **row)
+            del state, token, compiled
+        except Exception as e:  # noqa: BLE001
+            frag.add("decode", name=f"B={batch} ctx={context}", batch=batch, context=context,
+                     error=f"{type(e).__name__}: {e}")
+        last = time.time() - t_start
+
+
+def worker_prefill(args, p, frag: Fragment):
+    jax = _setup_jax(cache=True)
+    import jax.numpy as jnp
+    import deepinfer_fn as di
+    cfg = di.ModelConfig.preset(p["preset"])
+    peak = matmul_peak(jax, p["peak_n"], p["peak_iters"])
+    frag.add("peak", flops_per_s=peak, n=p["peak_n"], iters=p["peak_iters"],
+             device=jax.devices()[0].device_kind)
+    params = random_weights(cfg, jnp.bfloat16)
+    fn = jax.jit(prefill_fn())
+    for batch, tokens in p["prefill_shapes"]:
+        if time.time() > args.deadline:
+            frag.add("prefill", name=f"{batch}x{tokens}", batch=batch, tokens=tokens,
+                     error="skipped: section time budget")
+            continue
+        try:
+            state = di.init_state(cfg, batch, tokens + 256, dtype=jnp.bfloat16)
+            ids = jax.random.randint(jax.random.key(2), (batch, tokens), 0, cfg.vocab_size, jnp.int32)
+            t0 = time.perf_counter()
+            compiled = fn.lower(params, state, ids).compile()
+            compile_s = time.perf_counter() - t0
+            _block(compiled(params, state, ids))
+            t = _median_time(functools.partial(compiled, params, state, ids), p["reps"])
+            fl = prefill_flops(cfg, batch, tokens)
+            frag.add("prefill", batch=batch, tokens=tokens, ms=t * 1e3,
+                     tokens_per_s=batch * tokens / t, flops=fl,
+                     achieved_flops_per_s=fl["total"] / t, peak_ratio=fl["total"] / t / peak,
+                     matmul_peak_ratio=fl["matmul"] / t / peak, compile_s=compile_s)
+        except Exception as e:  # noqa: BLE001
+            frag.add("prefill", name=f"{batch}x{tokens}", batch=batch, tokens=tokens,
+                     error=f"{type(e).__name__}: {e}")
+
+
+def worker_kernels(args, p, frag: Fragment):
+    """The decode step's kernels (persistent cache on: counting does not need a cold compile)."""
+    jax = _setup_jax(cache=True)
+    import jax.numpy as jnp
+    from benchmarks import hlo_count
+    name = args.model
+    params, cfg = model_for(name, jnp.bfloat16)
+    B, ctx = p["compile_batch"], p["compile_context"]
+    fn = jax.jit(decode_step_fn(), donate_argnums=(1,))
+    compiled = fn.lower(params, abstract_state(cfg, B, ctx, jnp.bfloat16),
+                        jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
+    report = hlo_count.count_compiled(compiled, layers=cfg.num_hidden_layers,
+                                      layers_per_iteration=layers_per_iteration(cfg))
+    frag.add("kernels", model=name, program="decode", batch=B, context=ctx,
+             report=_kernel_summary(report))
+
+
+def peer_fields(cfg) -> dict:
+    """The transformers `DeepseekV4Config` fields (its own spelling) of a ModelConfig."""
+    from deepinfer_fn.config import CSA, HCA
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers, layer_types=list(cfg.layer_types),
+        compress_rates={CSA: cfg.csa_ratio, HCA: cfg.hca_ratio},
+        mlp_layer_types=list(cfg.mlp_layer_types), num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=1, head_dim=cfg.head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
+        n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        n_shared_experts=cfg.n_shared_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+        sliding_window=cfg.sliding_window, index_n_heads=cfg.index_n_heads,
+        index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, hc_mult=cfg.hc_mult,
+        hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, rope_theta=cfg.rope_theta,
+        compress_rope_theta=cfg.compress_rope_theta,
+        rope_scaling={"type": "yarn", "factor": cfg.yarn_factor,
+                      "original_max_position_embeddings": cfg.yarn_original_max_position,
+                      "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow},
+        max_position_embeddings=cfg.max_position_embeddings, swiglu_limit=cfg.swiglu_limit,
+        routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func,
+        rms_norm_eps=cfg.rms_norm_eps)
+
+
+def worker_peer(args, p, frag: Fragment):
+    """transformers eager bf16 on the same config (fields from `peer_fields`, written by the
+    orchestrator: this worker may run under another interpreter, `--peer-python`, and imports
+    neither jax nor deepinfer_fn): decode ms/step and prefill tokens/s."""
+    try:
+        import torch
+        import transformers
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except Exception as e:  # noqa: BLE001
+        frag.add("peer", name="import", error=f"skipped: {type(e).__name__}: {e}")
+        return
+    with open(args.peer_fields) as f:
+        fields = json.load(f)
+    vocab = fields["vocab_size"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        hf_cfg = DeepseekV4Config(**fields, attn_implementation="eager")
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device(dev):
+            model = DeepseekV4ForCausalLM(hf_cfg).eval()
+        frag.add("peer", name="model", torch=torch.__version__, transformers=transformers.__version__,
+                 device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                 params=sum(x.numel() for x in model.parameters()))
+    except Exception as e:  # noqa: BLE001
+        frag.add("peer", name="model", error=f"{type(e).__name__}: {e}")
+        return
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def repeat_rows(cache, n):
+        """Every batch-1 tensor of every cache layer (also inside dicts) repeated n times."""
+        rep1 = lambda v: v.repeat_interleave(n, 0) if torch.is_tensor(v) and v.dim() and v.shape[0] == 1 else v
+        for layer in cache.layers:
+            for k, v in list(vars(layer).items()):
+                if isinstance(v, dict):
+                    setattr(layer, k, {kk: rep1(vv) for kk, vv in v.items()})
+                else:
+                    setattr(layer, k, rep1(v))
+        return cache
+
+    ctx, T = p["peer_context"], p["peer_prefill"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def decode_steps(cache, tok, n=10):
+        times = []
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times[2:])[len(times[2:]) // 2]
+
+    with torch.inference_mode():
+        cache = None
+        try:   # prefill 1 x T: the second call is timed, its cache is the decode context
+            ids = torch.randint(0, vocab, (1, T), generator=gen).to(dev)
+            model(input_ids=ids[:, :min(T, 256)], use_cache=True)
+            sync()
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            sync()
+            dt = time.perf_counter() - t0
+            cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            frag.add("peer", name="prefill", batch=1, tokens=T, ms=dt * 1e3, tokens_per_s=T / dt)
+        except Exception as e:  # noqa: BLE001
+            frag.add("peer", name="prefill", error=f"{type(e).__name__}: {e}")
+        for batch in p["peer_batches"]:
+            if time.time() > args.deadline:
+                frag.add("peer", name=f"decode B={batch}", error="skipped: section time budget")
+                continue
+            try:
+                how = "prefill"
+                if cache is not None and T == ctx:       # the 1-row context, repeated per row
+                    c = copy.deepcopy(cache)
+                    if batch > 1:
+                        repeat_rows(c, batch)
+                    how, t = "repeated 1-row cache", tok.repeat(batch, 1)
+                    step = decode_steps(c, t)
+                else:
+                    raise RuntimeError("no 1-row cache")
+            except Exception as e:  # noqa: BLE001   (fall back: chunked prefill of every row)
+                try:
+                    how = f"chunked prefill ({type(e).__name__} on the repeated cache)"
+                    c, chunk = None, min(ctx, max(64, 16384 // batch))
+                    ids = torch.randint(0, vocab, (batch, ctx), generator=gen).to(dev)
+                    for off in range(0, ctx, chunk):
+                        if time.time() > args.deadline:
+                            raise TimeoutError("section time budget") from None
+                        out = model(input_ids=ids[:, off:off + chunk], past_key_values=c, use_cache=True)
+                        c = out.past_key_values
+                    step = decode_steps(c, out.logits[:, -1].argmax(-1, keepdim=True))
+                except Exception as e2:  # noqa: BLE001
+                    frag.add("peer", name=f"decode B={batch}", batch=batch,
+                             error=f"{type(e2).__name__}: {e2} (after {how})")
+                    continue
+            frag.add("peer", name=f"decode B={batch}", batch=batch, context=ctx,
+                     step_ms=step * 1e3, tokens_per_s=batch / step, context_from=how)
+            del c
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+
+
+WORKERS = {"compile": worker_compile, "decode": worker_decode, "prefill": worker_prefill,
+           "kernels": worker_kernels, "peer": worker_peer}
+
+
+# ================================================================ orchestrator
+def subprocess_env(quick: bool, **extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    if quick:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + QUICK_XLA_FLAGS).strip()
+    return env
+
+
+def run_worker(section: str, args, timeout: float, model: str | None = None,
+               python: str | None = None, extra: tuple = ()) -> dict:
+    """Runs one section worker in a subprocess; its rows, wall time and whether it timed out."""
+    fd, frag = tempfile.mkstemp(prefix=f"lean_{section}_", suffix=".jsonl")
+    os.close(fd)
+    cmd = [python or sys.executable, os.path.abspath(__file__), "--worker", section,
+           "--fragment", frag, "--deadline", str(time.time() + timeout - 5), *extra]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--model", model] if model else []
+    t0 = time.time()
+    timed_out, rc, tail = False, None, ""
+    sys.stdout.flush()
+    try:          # the worker's table lines stream to our stdout; its stderr is kept
+        res = subprocess.run(cmd, timeout=timeout, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                             env=subprocess_env(args.quick))
+        rc, tail = res.returncode, res.stderr[-3000:]
+    except subprocess.TimeoutExpired as e:
+        timed_out = True
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        tail = err[-3000:]
+    rows = []
+    with open(frag) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    os.remove(frag)
+    info = {"wall_s": time.time() - t0, "timed_out": timed_out, "rc": rc, "timeout_s": timeout,
+            "ended": time.time()}
+    if rc not in (0, None) or timed_out:
+        info["log_tail"] = tail
+        print(f"  [{section}{'/' + model if model else ''}] "
+              f"{'timed out after %.0f s' % timeout if timed_out else 'rc=%s' % rc}: "
+              f"{tail[-600:]}", flush=True)
+    elif timed_out is False and rc == 0:
+        info.pop("log_tail", None)
+    return {"rows": rows, **info}
+
+
+def section_compile(args, p, budget: float) -> dict:
+    start, out = time.time(), {"models": {}}
+    for model in p["compile_models"]:
+        left = budget - (time.time() - start)
+        if left < 10:
+            out["models"][model] = {"rows": [], "skipped": "section time budget"}
+            continue
+        res = run_worker("compile", args, min(args.compile_timeout, left), model)
+        started = {r["program"]: r["at"] for r in res["rows"] if r["kind"] == "started"}
+        res["rows"] = [r for r in res["rows"] if r["kind"] != "started"]
+        if res["timed_out"]:       # the program it was compiling when stopped: at least this long
+            done = {r["program"] for r in res["rows"]}
+            for prog in ("decode", "prefill"):
+                if prog not in done:
+                    row = {"kind": "compile", "model": model, "program": prog,
+                           "error": f"timed out after {res['timeout_s']:.0f} s"}
+                    if prog in started:
+                        row["lower_plus_compile_s_at_least"] = res["ended"] - started[prog]
+                    res["rows"].append(row)
+        out["models"][model] = res
+    return out
+
+
+def section_kernels(args, p, budget: float, results: dict) -> dict:
+    """From the compile section when it ran in this run, else compiled here."""
+    rows = [r for m in results.get("compile", {}).get("models", {}).values()
+            for r in m.get("rows", []) if r.get("program") == "decode" and "kernels" in r]
+    if rows:
+        return {"source": "compile section",
+                "rows": [{"kind": "kernels", "model": r["model"], "program": "decode",
+                          "batch": r["batch"], "context": r["context"], "report": r["kernels"]}
+                         for r in rows]}
+    res = run_worker("kernels", args, budget, p["preset"])
+    res["source"] = "compiled in this section"
+    return res
+
+
+def section_peer(args, p, budget: float) -> dict:
+    import deepinfer_fn as di
+    fields = peer_fields(di.ModelConfig.preset(p["preset"]))
+    fd, path = tempfile.mkstemp(prefix="lean_peer_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(fields, f)
+    try:
+        res = run_worker("peer", args, budget, python=args.peer_python,
+                         extra=("--peer-fields", path))
+    finally:
+        os.remove(path)
+    res["config"] = fields
+    return res
+
+
+def section_mainjob(args, p, budget: float) -> dict:
+    """The README main job twice in fresh processes: empty cache dir, then the same dir."""
+    cache = tempfile.mkdtemp(prefix="lean_cache_")
+    job = list(README_JOB)
+    job[job.index("--max-new-tokens") + 1] = str(p["mainjob_tokens"])
+    env = subprocess_env(args.quick, JAX_COMPILATION_CACHE_DIR=cache, DEEPINFER_COMPILE_CACHE=cache)
+    rows, start = [], time.time()
+    for label in ("cold", "warm"):
+        left = budget - (time.time() - start) - (15 if label == "cold" else 0)
+        if left < 5:
+            rows.append({"kind": "mainjob", "cache": label, "error": "skipped: section time budget"})
+            continue
+        cmd = [sys.executable, "-m", "deepinfer_fn"] + job
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
+            row = {"kind": "mainjob", "cache": label, "wall_s": time.perf_counter() - t0,
+                   "rc": res.returncode, "stdout_tail": res.stdout[-400:],
+                   "stderr_tail": res.stderr[-800:] if res.returncode else ""}
+        except subprocess.TimeoutExpired:
+            row = {"kind": "mainjob", "cache": label, "wall_s": time.perf_counter() - t0,
+                   "rc": None, "error": f"timed out after {left:.0f} s"}
+        row["cache_entries_after"] = sum(len(f) for _, _, f in os.walk(cache))
+        rows.append(row)
+        print(_table_line(row) if "error" not in row else f"  mainjob {label}: {row['error']}", flush=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"rows": rows, "command": "python -m deepinfer_fn " + " ".join(
+        f'"{a}"' if " " in a else a for a in job)}
+
+
+def summarize(results: dict) -> dict:
+    """The headline numbers and the issue's targets, from the section rows."""
+    rows = lambda sec: [r for r in results.get(sec, {}).get("rows", [])
+                        if "error" not in r and r.get("kind") == sec]
+    s: dict = {}
+    for m in results.get("compile", {}).get("models", {}).values():
+        for r in m.get("rows", []):
+            if "error" not in r:
+                s[f"compile_s/{r['model']}/{r['program']}"] = r["lower_plus_compile_s"]
+            elif "lower_plus_compile_s_at_least" in r:
+                s[f"compile_s_at_least/{r['model']}/{r['program']}"] = r["lower_plus_compile_s_at_least"]
+    for r in rows("decode"):
+        s[f"decode_roofline_ratio/B{r['batch']}/ctx{r['context']}"] = r["roofline_ratio"]
+        s[f"decode_step_ms/B{r['batch']}/ctx{r['context']}"] = r["step_ms"]
+    for r in rows("prefill"):
+        s[f"prefill_peak_ratio/{r['batch']}x{r['tokens']}"] = r["peak_ratio"]
+        s[f"prefill_tokens_per_s/{r['batch']}x{r['tokens']}"] = r["tokens_per_s"]
+    for r in rows("kernels"):
+        s[f"kernels_per_decode_step/{r['model']}"] = r["report"]["kernels"]
+        if "kernels_per_layer" in r["report"]:
+            s[f"kernels_per_layer/{r['model']}"] = r["report"]["kernels_per_layer"]
+    for r in rows("peer"):
+        if r.get("name", "").startswith("decode"):
+            s[f"peer_decode_step_ms/B{r['batch']}"] = r["step_ms"]
+        elif r.get("name") == "prefill":
+            s["peer_prefill_tokens_per_s"] = r["tokens_per_s"]
+    for r in rows("mainjob"):
+        s[f"mainjob_s/{r['cache']}"] = r["wall_s"]
+    targets = {"compile_s/v4-flash/decode": ("<=", 60), "compile_s/mini/decode": ("<=", 15),
+               "compile_s/default/decode": ("<=", 8), "mainjob_s/cold": ("<=", 30),
+               "mainjob_s/warm": ("<=", 5), "decode_roofline_ratio/B1/ctx4096": (">=", 0.5),
+               "decode_roofline_ratio/B64/ctx4096": (">=", 0.7),
+               "prefill_peak_ratio/1x4096": (">=", 0.4)}
+    met = {}
+    if results.get("meta", {}).get("quick"):
+        return {"headline": s, "targets": {"note": "not applicable to a --quick run"}}
+    for key, (op, bound) in targets.items():
+        if key in s:
+            met[key] = {"value": s[key], "target": f"{op} {bound}",
+                        "met": s[key] <= bound if op == "<=" else s[key] >= bound}
+        elif key.replace("compile_s/", "compile_s_at_least/") in s:
+            low = s[key.replace("compile_s/", "compile_s_at_least/")]
+            met[key] = {"value": f"> {low:.0f} (timed out)", "target": f"{op} {bound}",
+                        "met": False if low > bound else None}
+    return {"headline": s, "targets": met}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run with tiny shapes")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--out", default=None, help=f"results JSON (default {DEFAULT_OUT}; "
+                    "--quick: benchmarks/results/lean_quick_cpu.json)")
+    ap.add_argument("--budget", default="", help="per-section seconds, e.g. compile=200,decode=120")
+    ap.add_argument("--compile-timeout", type=float, default=None,
+                    help="seconds for one model's compile subprocess (default 120; quick 90)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--peer-python", default=None,
+                    help="interpreter with torch + transformers for the peer (default: this one)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fragment", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peer-fields", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    p = plan(args.quick)
+    if args.worker:
+        WORKERS[args.worker](args, p, Fragment(args.fragment))
+        return
+    if args.compile_timeout is None:
+        args.compile_timeout = 90.0 if args.quick else 120.0
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown sections {bad}; choose from {SECTIONS}")
+    budgets = dict(QUICK_BUDGET_S if args.quick else BUDGET_S)
+    for item in filter(None, args.budget.split(",")):
+        k, v = item.split("=")
+        if k not in SECTIONS:
+            ap.error(f"--budget names unknown section {k!r}")
+        budgets[k] = float(v)
+    out = args.out or (os.path.join(ROOT, "benchmarks", "results", "lean_quick_cpu.json")
+                       if args.quick else DEFAULT_OUT)
+    results = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "quick": args.quick, "sections": sections, "budgets_s": budgets,
+                        "plan": p, "argv": sys.argv[1:], "python": sys.version.split()[0]}}
+
+    def save():
+        results["summary"] = summarize(results)
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1, default=_jsonable)
+
+    t_all = time.time()
+    for sec in SECTIONS:              # fixed order: subprocess-only sections before the rest
+        if sec not in sections:
+            continue
+        print(f"== {sec} (budget {budgets[sec]:.0f} s)", flush=True)
+        t0 = time.time()
+        if sec == "compile":
+            results[sec] = section_compile(args, p, budgets[sec])
+        elif sec == "kernels":
+            results[sec] = section_kernels(args, p, budgets[sec], results)
+            for r in results[sec]["rows"]:
+                if results[sec]["source"] == "compile section":
+                    print(_table_line(r), flush=True)
+        elif sec == "mainjob":
+            results[sec] = section_mainjob(args, p, budgets[sec])
+        elif sec == "peer":
+            results[sec] = section_peer(args, p, budgets[sec])
+        else:
+            results[sec] = run_worker(sec, args, budgets[sec])
+        results[sec]["section_wall_s"] = time.time() - t0
+        save()
+    results["meta"]["total_wall_s"] = time.time() - t_all
+    save()
+    print(f"wrote {out} ({time.time() - t_all:.0f} s)")
+    print(json.dumps(results["summary"]["targets"], indent=1))
+    if not args.no_plot:
+        try:
+            from benchmarks import plot_lean
+            print(f"plot {plot_lean.plot(out)}")
+        except ImportError as e:
+            print(f"no plot ({e}); run benchmarks/plot_lean.py {out} where matplotlib is installed")
+
+
+if __name__ == "__main__":
+    main()

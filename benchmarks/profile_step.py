@@ -1,0 +1,141 @@
+"""Where one decode step's time goes: per-kernel device times from a `jax.profiler` trace of
+`generate`'s decode loop, grouped by kernel name and by kind.
+
+    python benchmarks/profile_step.py --preset mini --batch 1 --context 4096 --out FILE.json
+
+The profiler switches XLA's command buffers off, so launch gaps are overstated; the kernel
+durations themselves are what this reports (`busy_ms_per_step`), beside the plain wall time of
+the same loop without the profiler (`wall_ms_per_step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+
+import deepinfer_fn as di
+from benchmarks.decode import device_params, filled_state
+from deepinfer_fn.generate import _decode_block, stop_array
+from deepinfer_fn.sampling import sampling_params
+
+KINDS = (("gemm", ("gemm", "cublas", "cutlass", "sm90_xmma", "matmul", "dot")),
+         ("mosaic", ("mosaic", "mgpu", "pallas")),
+         ("sort/topk", ("sort", "topk", "top_k")),
+         ("copy/dus", ("copy", "dynamic_update_slice", "dynamic-update-slice", "memcpy",
+                       "memset")),
+         ("scatter/gather", ("scatter", "gather")),
+         ("reduce", ("reduce", "reduction")),
+         ("fusion", ("fusion", "loop_", "input_")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def device_events(xspace_path: str, plane_prefix: str = "/device:GPU"):
+    """(name, duration_ns) of every event on the device planes of a trace."""
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(xspace_path)
+    for plane in data.planes:
+        if not plane.name.startswith(plane_prefix):
+            continue
+        for line in plane.lines:
+            # XLA ops lines repeat the kernels' time as HLO ops; keep the stream lines.
+            if "XLA Ops" in line.name or "XLA Modules" in line.name or "Steps" in line.name:
+                continue
+            for ev in line.events:
+                yield ev.name, ev.duration_ns
+
+
+def summarize(events, steps: int, top: int = 40) -> dict:
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for name, ns in events:
+        by_name[name][0] += 1
+        by_name[name][1] += ns
+    total_ns = sum(v[1] for v in by_name.values())
+    kinds = collections.defaultdict(lambda: [0, 0.0])
+    for name, (n, ns) in by_name.items():
+        kinds[kind_of(name)][0] += n
+        kinds[kind_of(name)][1] += ns
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {
+        "kernels_per_step": sum(v[0] for v in by_name.values()) / steps,
+        "busy_ms_per_step": total_ns / steps / 1e6,
+        "by_kind": {k: {"kernels_per_step": n / steps, "ms_per_step": ns / steps / 1e6}
+                    for k, (n, ns) in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
+        "top": [{"name": name[:160], "kind": kind_of(name), "calls_per_step": n / steps,
+                 "us_per_step": ns / steps / 1e3} for name, (n, ns) in rows[:top]],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default="benchmarks/results/profile_step.json")
+    ap.add_argument("--plane", default="/device:GPU", help="trace plane prefix (CPU: /host:CPU)")
+    args = ap.parse_args()
+    cfg = di.ModelConfig.preset(args.preset)
+    dtype = jnp.dtype(args.dtype)
+    params = device_params(cfg, dtype)
+    B = args.batch
+    logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    done = jnp.zeros((B,), bool)
+    sampling, pad, stops = sampling_params(B), jnp.int32(0), stop_array(())
+
+    def run(state, logits):
+        out = _decode_block(params, state, logits, done, sampling, pad, n=args.steps,
+                            stops=stops, feed_last=True)
+        jax.block_until_ready(out)
+        return out
+
+    state = filled_state(cfg, B, args.context, dtype)
+    t0 = time.perf_counter()
+    out = run(state, logits)                           # compile + warm up
+    first_s = time.perf_counter() - t0
+    out = run(out[3], out[4])
+    t0 = time.perf_counter()
+    out = run(out[3], out[4])
+    wall_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    trace_dir = tempfile.mkdtemp(prefix="profile_step_")
+    with jax.profiler.trace(trace_dir):
+        out = run(out[3], out[4])
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise SystemExit(f"no xplane.pb under {trace_dir}")
+    summary = summarize(device_events(paths[0], args.plane), args.steps)
+    result = {"preset": args.preset, "batch": B, "context": args.context, "steps": args.steps,
+              "dtype": args.dtype, "device": jax.devices()[0].device_kind,
+              "kernels_env": os.environ.get("DEEPINFER_KERNELS", ""),
+              "first_call_s": first_s, "wall_ms_per_step": wall_ms, **summary}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{args.preset} B={B} ctx={args.context}: first call {first_s:.1f} s; wall {wall_ms:.3f} ms/step, busy "
+          f"{summary['busy_ms_per_step']:.3f} ms in {summary['kernels_per_step']:.0f} kernels")
+    for k, v in summary["by_kind"].items():
+        print(f"  {k:15s} {v['kernels_per_step']:7.1f} kernels {v['ms_per_step']:.3f} ms")
+    for row in summary["top"][:15]:
+        print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:.1f}  {row['name'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
