@@ -457,6 +457,7 @@ def worker_compile(args, p, frag: Fragment):
     params, cfg = model_for(name, dtype)
     load_s = time.perf_counter() - t0
     B, ctx, S = p["compile_batch"], p["compile_context"], p["prefill_chunk"]
+    ctx = min(ctx, cfg.max_position_embeddings)      # tiny: 1024 positions
     programs = {
         "decode": (jax.jit(decode_step_fn(), donate_argnums=(1,)),
                    (abstract_state(cfg, B, ctx, dtype), jax.ShapeDtypeStruct((B,), jnp.int32))),

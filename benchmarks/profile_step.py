@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
 import os
 import sys
@@ -92,6 +93,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default="benchmarks/results/profile_step.json")
     ap.add_argument("--plane", default="/device:GPU", help="trace plane prefix (CPU: /host:CPU)")
+    ap.add_argument("--hlo-out", default=None,
+                    help="also write the profiled program's optimized HLO here (.gz: gzipped)")
     args = ap.parse_args()
     cfg = di.ModelConfig.preset(args.preset)
     dtype = jnp.dtype(args.dtype)
@@ -108,6 +111,12 @@ def main():
         return out
 
     state = filled_state(cfg, B, args.context, dtype)
+    if args.hlo_out:  # the same program: its fusion names are the kernel names in the trace
+        text = _decode_block.lower(params, state, logits, done, sampling, pad, n=args.steps,
+                                   stops=stops, feed_last=True).compile().as_text()
+        opener = gzip.open if args.hlo_out.endswith(".gz") else open
+        with opener(args.hlo_out, "wt") as f:
+            f.write(text)
     t0 = time.perf_counter()
     out = run(state, logits)                           # compile + warm up
     first_s = time.perf_counter() - t0

@@ -26,4 +26,8 @@ _kernels.register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
 _kernels.register("attention", "mosaic_gpu")(attention_mgpu)
 _kernels.register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 
+# Opt-in: never chosen by platform preference, only when forced (kernels.py docstring).
+for _fn in (mhc_pre_mgpu, mhc_post_mgpu, attention_mgpu, compressor_decode_mgpu):
+    _fn.opt_in = True
+
 __all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu", "attention_mgpu", "compressor_decode_mgpu"]

@@ -9,6 +9,11 @@ Backends:
   xla         pure XLA, every platform (the reference).
   xla_select  pure XLA, opt-in: `top_k_rows` by radix select instead of a sort.
   mosaic_gpu  Pallas Mosaic GPU kernels for NVIDIA Hopper (registered by `custom_calls`).
+              Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`;
+              the others (`mhc_pre`, `mhc_post`, `attention`, `compressor_decode`) are opt-in
+              (`fn.opt_in = True`: measured no faster than XLA at decode, and their Mosaic
+              lowering costs seconds of compile time per call site): force them with `use` or
+              DEEPINFER_KERNELS, e.g. "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
   sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
   ascend      Huawei Ascend dispatch point: needs CANN 9.2, not built.
 """
@@ -73,7 +78,9 @@ def choose(op: str, platform: str | None = None) -> str:
         return forced
     platform = platform or jax.default_backend()
     for impl in _PREFERENCE.get(platform, ("xla",)):
-        if impl in impls and getattr(impls[impl], "available", lambda: True)():
+        fn = impls.get(impl)
+        if (fn is not None and not getattr(fn, "opt_in", False)
+                and getattr(fn, "available", lambda: True)()):
             return impl
     return "xla"
 

@@ -62,7 +62,8 @@ def test_registered():
     assert "mosaic_gpu" in kernels.implementations("attention")
     assert kernels._REGISTRY["attention"]["mosaic_gpu"] is attention_mgpu
     assert attention_mgpu.available() is (not INTERPRET)
-    assert kernels.choose("attention", "gpu") == ("xla" if INTERPRET else "mosaic_gpu")
+    assert attention_mgpu.opt_in                       # chosen only when forced
+    assert kernels.choose("attention", "gpu") == "xla"
 
 
 @pytest.mark.parametrize("b,h,d,s,splits", [

@@ -69,11 +69,13 @@ def test_sublayer_helpers_keep_leading_axes():
     np.testing.assert_allclose(out, mhc.expand(streams, 2 * h, post, comb), rtol=1e-6, atol=1e-6)
 
 
-def test_registered_and_not_chosen_on_cpu():
+def test_registered_opt_in_and_not_chosen_on_cpu():
     for op in ("mhc_pre", "mhc_post"):
         assert {"xla", "mosaic_gpu", "sm100", "ascend"} <= set(kernels.implementations(op))
-        assert kernels._REGISTRY[op]["mosaic_gpu"].available() is False
-        assert kernels.choose(op, "cpu") == "xla"
+        assert kernels._REGISTRY[op]["mosaic_gpu"].opt_in
+        assert kernels.choose(op, "cpu") == kernels.choose(op, "gpu") == "xla"
+        with kernels.use(op, "mosaic_gpu"):
+            assert kernels.choose(op, "gpu") == "mosaic_gpu"
 
 
 def _ran_kernel(fn, *args) -> bool:

@@ -95,8 +95,12 @@ def test_registered_and_not_chosen_on_cpu():
         fn = kernels._REGISTRY[op]["mosaic_gpu"]
         assert fn.available() is (not INTERPRET)
         assert kernels.choose(op, "cpu") == "xla"
-        # Without an sm_90 device the GPU preference falls back to XLA.
-        assert kernels.choose(op, "gpu") == ("xla" if INTERPRET else "mosaic_gpu")
+        # Without an sm_90 device the GPU preference falls back to XLA; opt-in kernels
+        # (attention) run only when forced.
+        default = "mosaic_gpu" if not INTERPRET and not getattr(fn, "opt_in", False) else "xla"
+        assert kernels.choose(op, "gpu") == default
+    with kernels.use("attention", "mosaic_gpu"):
+        assert kernels.choose("attention", "gpu") == "mosaic_gpu"
 
 
 @pytest.mark.parametrize("m,k,n,g,pad,empty,blocks", [
