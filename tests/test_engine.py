@@ -223,7 +223,7 @@ def test_bad_requests_fail_alone_and_cancel():
 def test_stop_tokens_and_early_close_drains():
     """A stop token ends a request right after it (async lag discarded); closing the stream
     early drains the engine, which then runs a new batch correctly; cancel works from another
-    thread."""
+    thread, before the stream's first event (the request never starts)."""
     prompts = prompts_long()
     want = reference(prompts)
     stop = want[0][4]
@@ -236,13 +236,14 @@ def test_stop_tokens_and_early_close_drains():
     it.close()
     assert not eng.scheduler.has_work()
     assert eng.pages.free_count + eng.cache.num_nodes == eng.pages.capacity
+    it = eng.stream([Request(list(p), max_new_tokens=N_NEW, request_id=rid)
+                     for p, rid in zip(prompts[1:3], ("a", "late"))])
     timer = threading.Timer(0.0, eng.cancel, args=("late",))
     timer.start()
     timer.join()
-    outs = eng.generate([Request(list(p), max_new_tokens=N_NEW, request_id=rid)
-                         for p, rid in zip(prompts[1:3], ("a", "late"))])
-    assert outs[0].tokens == want[1]
-    assert outs[1].finish_reason == "cancelled"
+    outs = {ev.request_id: ev.output for ev in it if ev.output is not None}
+    assert outs["a"].tokens == want[1]
+    assert outs["late"].finish_reason == "cancelled" and outs["late"].tokens == []
 
 
 def test_radix_cache_and_pages():

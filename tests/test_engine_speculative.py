@@ -305,8 +305,10 @@ def test_constrained_requests_run_plain_in_a_speculative_engine():
                                       constraint=di.Regex("(ab"), request_id="bad"),
                               Request(tes.prompts()[1], max_new_tokens=tes.N,
                                       constraint=di.Regex("[0-9]+"), request_id="gone")]
+    events = eng.stream(reqs)         # the call registers its requests
     eng.cancel("gone")                # cancelled while waiting for the constrained phase
-    outs = eng.generate(reqs)
+    done = {e.index: e.output for e in events if e.output is not None}
+    outs = [done[i] for i in range(len(reqs))]
     assert outs[5].finish_reason == "cancelled" and outs[5].tokens == []
     for out, ref, st in zip(outs, ref_tokens, ref_status):
         assert out.tokens == ref, (out.request_id, out.tokens, ref)

@@ -104,6 +104,7 @@ from typing import Iterable, Iterator
 import jax
 import numpy as np
 
+from deepinfer_fn.compile_cache import Job, precompile
 from deepinfer_fn.config import CSA, HCA
 from deepinfer_fn.engine.pages import PageAllocator
 from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state, init_spec_state
@@ -173,6 +174,14 @@ class RunMetrics:
     verified_tokens_per_s: float = float("nan")
 
 
+@dataclasses.dataclass(eq=False)
+class _RunIds:
+    """The request ids of one `generate` / `stream` call and the cancels aimed at them."""
+
+    ids: frozenset
+    cancelled: set = dataclasses.field(default_factory=set)
+
+
 class _IdleWatcher:
     """Records when each dispatched step's outputs become ready (a background thread), next to
     when the step's first device call was issued."""
@@ -221,9 +230,7 @@ def _ll_masks(live):
         scratch.shape[1] * 4, scratch.shape[0])
     pos = {i: k for k, (i, _) in enumerate(ll)}
     for j, (i, m) in enumerate(live):
-        if i in pos:
-            if m._ll.is_error():
-                m.error = structured._short(m._ll.get_error())
+        if i in pos:  # Matcher.fill_mask turns a failed mask computation into the row's error
             out[j] = scratch[pos[i]]
     return out
 
@@ -345,7 +352,8 @@ class Engine:
         self._tokenizer = tokenizer
         self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
         self._cancel_lock = threading.Lock()
-        self._cancelled: set = set()
+        self._runs: list[_RunIds] = []      # submitted runs not yet ended (cancel targets)
+        self._ended_ids: set = set()        # ids of requests of ended runs (cancel: no-op)
         self._shapes_seen: set = set()
         self.last_run = RunMetrics()
 
@@ -404,27 +412,50 @@ class Engine:
         """One RequestOutput per request, in order. Items: token-id sequences (with
         `max_new_tokens`, greedy) or `Request` objects."""
         outs: dict[int, RequestOutput] = {}
-        for ev in self._run(requests, max_new_tokens, partial_events=False):
+        for ev in self._run(*self._submit(requests, max_new_tokens), partial_events=False):
             if ev.output is not None:
                 outs[ev.index] = ev.output
         return [outs[i] for i in range(len(outs))]
 
     def cancel(self, request_id) -> None:
-        """Cancels a request (thread-safe; takes effect at the next step). Its output gets
-        finish_reason "cancelled" with the tokens produced so far."""
+        """Cancels a submitted request (thread-safe; takes effect at the next step). Its output
+        gets finish_reason "cancelled" with the tokens produced so far.
+
+        A request is submitted by the `generate` / `stream` call that carries it (from the
+        call, before the stream's first event); a cancel applies to that call's requests with
+        this id only and never to a later request reusing the id. Cancelling a request that
+        already finished is a no-op; an id this engine was never given raises ValueError."""
         with self._cancel_lock:
-            self._cancelled.add(request_id)
+            runs = [run for run in self._runs if request_id in run.ids]
+            for run in runs:
+                run.cancelled.add(request_id)
+            if not runs and request_id not in self._ended_ids:
+                raise ValueError(f"cancel: no request with request_id={request_id!r} was "
+                                 "submitted to this engine")
 
     def stream(self, requests: Iterable, *, max_new_tokens: int = 16) -> Iterator[StreamEvent]:
         """Runs the requests, yielding a StreamEvent whenever tokens become known on the host
         (and one final event per request, `output` set). Closing the iterator early drains the
         engine: in-flight steps finish, unfinished requests are cancelled."""
-        return self._run(requests, max_new_tokens, partial_events=True)
+        return self._run(*self._submit(requests, max_new_tokens), partial_events=True)
 
-    def _run(self, requests: Iterable, max_new_tokens: int,
-             partial_events: bool) -> Iterator[StreamEvent]:
-        """`stream`; partial_events=False yields only the final event of each request."""
+    def _submit(self, requests: Iterable, max_new_tokens: int) -> tuple:
+        """(run, requests): the items as `Request`s, registered as one run (their ids become
+        cancellable)."""
         reqs = [as_request(r, max_new_tokens) for r in requests]
+        for r in reqs:
+            try:
+                hash(r.request_id)
+            except TypeError:
+                raise ValueError(f"request_id must be hashable, got {r.request_id!r}") from None
+        run = _RunIds(frozenset(r.request_id for r in reqs))
+        with self._cancel_lock:
+            self._runs.append(run)
+        return run, reqs
+
+    def _run(self, run: _RunIds, reqs: list, partial_events: bool) -> Iterator[StreamEvent]:
+        """`stream` of one submitted run; partial_events=False yields only the final event
+        of each request."""
         sched = self.scheduler
         t0 = time.perf_counter()
         base = dict(steps=0, decode_rows=0, pre=sched.preemptions, hit=sched.cache_hit_tokens,
@@ -462,12 +493,13 @@ class Engine:
                     for seq in deferred:
                         sched.add(seq)
                     deferred = []
-                self._apply_cancels(deferred)
+                self._apply_cancels(run, deferred)
                 plan = sched.schedule()
                 outs = self._dispatch(plan, watcher) if plan else None
                 if outs is not None:
                     base["steps"] += 1
                     base["decode_rows"] += len(plan.decode)
+                collected = pending is not None
                 if pending is not None:
                     yield from self._collect(pending, emitted, bar, partial_events)
                     pending = None
@@ -477,18 +509,22 @@ class Engine:
                     yield from self._collect(outs, emitted, bar, partial_events)
                     outs = None
                 pending = outs
-                if plan or pending is not None:
-                    stall = 0
+                if plan or pending is not None or collected:
+                    stall = 0               # progress (collected: slots or pages may be free now)
                     continue
                 yield from self._drain_finished(emitted, bar)
                 if sched.has_work():        # nothing schedulable and nothing in flight
+                    # The scheduler already evicted every cache leaf admission could use
+                    # (`Scheduler._allocate`); a head that still does not fit with nothing
+                    # running can never run.
                     stall += 1
-                    if self.cache is not None:
-                        self.cache.evict(self.pages.num_pages)
                     if stall > 1 and not sched.running:
                         sched._finish(sched.waiting.popleft(), "error")
             yield from self._drain_finished(emitted, bar)
         finally:
+            with self._cancel_lock:         # the run's cancels end with it
+                self._runs.remove(run)
+                self._ended_ids |= run.ids
             if pending is not None:        # early close: finish the in-flight step
                 jax.block_until_ready(self.state)
                 pending = None
@@ -504,9 +540,9 @@ class Engine:
             self._record_run(seqs, t0, base, idle)
 
     # ------------------------------------------------------------------ internals
-    def _apply_cancels(self, deferred=()):
+    def _apply_cancels(self, run: _RunIds, deferred=()):
         with self._cancel_lock:
-            ids, self._cancelled = self._cancelled, set()
+            ids, run.cancelled = run.cancelled, set()
         if ids:
             self.scheduler.cancel(ids)
             for seq in [s for s in deferred if s.req.request_id in ids]:
@@ -711,11 +747,27 @@ class Engine:
             m.all_accepted_tokens_per_s = rows * (1 + self.gamma) / wall if wall > 0 else nan
             m.verified_tokens_per_s = (rows + ver) / wall if wall > 0 else nan
 
-    def warmup(self) -> float:
-        """Compiles every sub-step shape (prefill and decode buckets) with all-padding rows,
-        which change nothing; returns the seconds it took."""
+    def _substep_job(self, n: int, width: int | None) -> Job:
+        """The jitted call of a sub-step of n rows with prefill tokens of `width` (None:
+        decode) on all-padding inputs, as a precompile job."""
+        packed = self.scheduler.pack([], n, width)
+        if not self.gamma:
+            return Job(substep_packed, (self.params, self.state, packed))
+        if width is None:
+            return Job(spec_decode_packed, (self.params, self.drafter, self.state, packed,
+                                            self._sched_args.get(n)),
+                       dict(method=self.speculative, k=self.gamma, widths=self._widths[n]))
+        return Job(spec_prefill_packed, (self.params, self.drafter, self.state, packed),
+                   dict(method=self.speculative))
+
+    def warmup(self, threads: int | None = None) -> float:
+        """Compiles every sub-step shape (prefill and decode buckets) in parallel threads
+        (`compile_cache.precompile`), then runs each once with all-padding rows, which change
+        nothing; returns the seconds it took."""
         t0 = time.perf_counter()
-        for n, width in self.prefill_shapes + tuple((n, None) for n in self.decode_buckets):
+        shapes = self.prefill_shapes + tuple((n, None) for n in self.decode_buckets)
+        precompile([self._substep_job(n, width) for n, width in shapes], threads)
+        for n, width in shapes:
             packed = self.scheduler.pack([], n, width)
             if not self.gamma:
                 self.state, _ = substep_packed(self.params, self.state, packed)

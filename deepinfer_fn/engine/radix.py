@@ -8,7 +8,7 @@ cached path shares those pages (refcount) instead of recomputing them; the slidi
 state is not cached (it is rebuilt by replay, `scheduler.py`).
 
 Eviction: least-recently-used leaves whose page no request holds (refcount 1 = the tree's own
-reference) are dropped first.
+reference) are dropped first, and only as many as the caller needs (`Scheduler._allocate`).
 """
 
 from __future__ import annotations
@@ -89,6 +89,18 @@ class RadixCache:
             if parent is not self.root and evictable(parent):
                 heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return freed
+
+    def evictable(self) -> int:
+        """How many pages `evict` could free at most: nodes whose subtree holds no page a
+        request references."""
+        free = {}                                   # id(node) -> whole subtree evictable
+        count = 0
+        for nd in reversed(list(self._iter_nodes())):   # children before parents
+            ok = (self.pages.refcount(nd.page) == 1
+                  and all(free[id(c)] for c in nd.children.values()))
+            free[id(nd)] = ok
+            count += ok
+        return count
 
     def _iter_nodes(self):
         stack = list(self.root.children.values())

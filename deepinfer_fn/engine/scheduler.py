@@ -28,10 +28,12 @@ Policy:
   pages can be allocated; a prefix-cache hit of h tokens (page-aligned, leaving >= 1 token to
   prefill) shares the cached pages and starts the prefill at h - R (bounded replay, rows below
   h kept: `row_floor = h`) or at 0 (exact mode);
-* pages are allocated as positions advance; when none are free the prefix cache evicts LRU
-  leaves, and then the most recently admitted running sequence is preempted (recompute: its
-  slot and pages are released, it is requeued with prompt + generated tokens; with the prefix
-  cache on, its full blocks are cached first, so it resumes from a hit).
+* pages are allocated as positions advance; when too few are free the prefix cache evicts
+  just the missing number of LRU leaves no running sequence holds (admission evicts nothing
+  unless that is enough to admit), and then the most recently admitted running sequence is
+  preempted (recompute: its slot and pages are released, it is requeued with prompt +
+  generated tokens; with the prefix cache on, its full blocks are cached first, so it resumes
+  from a hit).
 """
 
 from __future__ import annotations
@@ -207,8 +209,10 @@ class Scheduler:
         return -(-end // self.page_size) - len(seq.pages)
 
     def _allocate(self, seq: Seq, end: int, plan: StepPlan | None, may_preempt: bool) -> bool:
-        """Pages so that seq covers positions < end. May evict cache leaves and preempt (then
-        the victims are removed from `plan`). False if seq itself cannot get them."""
+        """Pages so that seq covers positions < end. Evicts only the missing number of LRU
+        cache leaves; may then preempt (the victims are removed from `plan`). Without
+        preemption nothing is evicted unless eviction alone covers the need. False if seq
+        itself cannot get them."""
         need = self._blocks_needed(seq, end)
         while need > 0:
             got = self.pages.allocate(need)
@@ -217,7 +221,9 @@ class Scheduler:
                     self.block_table[seq.slot, len(seq.pages)] = p
                     seq.pages.append(p)
                 return True
-            if self.cache is not None and self.cache.evict(need - self.pages.free_count):
+            short = need - self.pages.free_count
+            if (self.cache is not None and (may_preempt or self.cache.evictable() >= short)
+                    and self.cache.evict(short)):
                 continue
             if not may_preempt:
                 return False
