@@ -4,6 +4,7 @@ from deepinfer_fn.compile_cache import ProgramCounter, enable_persistent_cache, 
 
 enable_persistent_cache()  # per-user directory; DEEPINFER_COMPILE_CACHE moves or disables it
 
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.config import ConfigError, ModelConfig
 from deepinfer_fn.params import Params, count_params, init_params, param_specs
 from deepinfer_fn.api import forward, mtp_forward
@@ -19,7 +20,7 @@ __all__ = [
     "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
     "GenerateOutput", "generate", "stream_generate", "default_model_path", "DecodeState", "init_state",
     "Regex", "JsonSchema", "Grammar", "Engine", "Request", "RequestOutput",
-    "ProgramCounter", "enable_persistent_cache", "precompile",
+    "ProgramCounter", "enable_persistent_cache", "precompile", "ArgumentError", "ArgumentTypeError",
 ]
 
 __all__ += ["make_mesh", "shard_params", "abstract_params"]

@@ -6,28 +6,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.model import transformer
 from deepinfer_fn.params import Params
+
+
+def as_token_array(tokens):
+    """A jax/numpy array as is; lists and tuples as a numpy array (a ragged list is an error)."""
+    if hasattr(tokens, "shape") and hasattr(tokens, "dtype"):
+        return tokens
+    if not isinstance(tokens, (list, tuple)):
+        raise ArgumentTypeError(f"tokens must be a 2-D int array [batch, length], got "
+                                f"{type(tokens).__name__}")
+    try:
+        return np.asarray(tokens)
+    except ValueError as e:
+        raise ArgumentError(f"tokens must be a rectangular [batch, length] array of token ids: "
+                            f"{e}") from None
 
 
 def check_tokens(tokens, cfg, *, name: str = "tokens") -> None:
     """Shape, dtype and vocabulary checks; value checks only when the ids are concrete."""
     shape = getattr(tokens, "shape", None)
     if shape is None or len(shape) != 2:
-        raise ValueError(f"{name} must be a 2-D int array [batch, length], got shape {shape}")
+        raise ArgumentError(f"{name} must be a 2-D int array [batch, length], got shape {shape}")
     if shape[0] == 0 or shape[1] == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(shape)})")
+        raise ArgumentError(f"{name} is empty (shape {tuple(shape)})")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+        raise ArgumentTypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
     if shape[1] > cfg.max_position_embeddings:
-        raise ValueError(f"{name} has length {shape[1]} > max_position_embeddings "
+        raise ArgumentError(f"{name} has length {shape[1]} > max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
     if not isinstance(tokens, jax.core.Tracer):
         ids = np.asarray(tokens)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= cfg.vocab_size:
             bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
-            raise ValueError(f"{name} has ids outside the vocabulary [0, {cfg.vocab_size}): "
+            raise ArgumentError(f"{name} has ids outside the vocabulary [0, {cfg.vocab_size}): "
                              f"{sorted(set(bad.tolist()))[:8]}")
 
 
@@ -71,7 +86,9 @@ def forward(params: Params, tokens) -> jax.Array:
     the batch is split over dp x ep (padded to a multiple), experts over ep.
     """
     if not isinstance(params, Params):
-        raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+        raise ArgumentTypeError(f"forward: params must be deepinfer_fn.Params, got "
+                                f"{type(params).__name__}")
+    tokens = as_token_array(tokens)
     check_tokens(tokens, params.config)
     mesh, ctx = mesh_context(params)
     if mesh is None:
@@ -101,11 +118,15 @@ def mtp_forward(params: Params, tokens) -> jax.Array:
     tokens [B,T] -> float32 [B, T-1, vocab]: row i predicts token i+2 from the backbone's
     streams at i and token i+1.
     """
+    if not isinstance(params, Params):
+        raise ArgumentTypeError(f"mtp_forward: params must be deepinfer_fn.Params, got "
+                                f"{type(params).__name__}")
+    tokens = as_token_array(tokens)
     check_tokens(tokens, params.config)
     if tokens.shape[1] < 2:
-        raise ValueError("mtp_forward needs at least 2 tokens per row")
+        raise ArgumentError("mtp_forward needs at least 2 tokens per row")
     if not params["mtp"]:
-        raise ValueError("these params have no MTP block (checkpoint without mtp.* tensors, "
+        raise ArgumentError("these params have no MTP block (checkpoint without mtp.* tensors, "
                          "or init_params(..., include_mtp=False))")
     tokens = jnp.asarray(tokens, jnp.int32)
     _, streams = _forward_with_streams(params, tokens)

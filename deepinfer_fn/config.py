@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
+
+from deepinfer_fn.errors import ArgumentTypeError
+from deepinfer_fn.validate import describe, is_int, is_number
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 ATTENTION_TYPES = (SWA, CSA, HCA)
@@ -81,6 +85,28 @@ class ModelConfig:
         def need(cond: bool, msg: str):
             if not cond:
                 raise ConfigError(f"inconsistent ModelConfig: {msg}")
+
+        for f in dataclasses.fields(self):
+            problem = _field_type_problem(f.type, getattr(self, f.name))
+            if problem:
+                raise ConfigError(f"ModelConfig field {f.name} must be {problem}, got "
+                                  f"{describe(getattr(self, f.name))}")
+        for name in ("hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta",
+                     "routed_scaling_factor", "swiglu_limit"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value > 0,
+                 f"{name} must be a finite number > 0, got {value!r}")
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value >= 0,
+                 f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("yarn_original_max_position", "fp4_group"):
+            value = getattr(self, name)
+            need(value > 0, f"{name} must be a positive int, got {value!r}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            need(0 <= value < self.vocab_size,
+                 f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
 
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
@@ -206,6 +232,25 @@ class ModelConfig:
         }
 
 
+def _field_type_problem(annotation: str, value) -> str | None:
+    """What `value` should be for a field annotated `annotation`, or None if it is that."""
+    if annotation == "int":
+        return None if is_int(value) else "an int"
+    if annotation == "float":
+        return None if is_number(value) else "a number"
+    if annotation == "str":
+        return None if isinstance(value, str) else "a string"
+    if annotation == "bool":
+        return None if isinstance(value, bool) else "True or False"
+    if annotation == "tuple[str, ...]":
+        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+        return None if ok else "a list of strings"
+    if annotation == "tuple[int, int]":
+        ok = isinstance(value, tuple) and len(value) == 2 and all(map(is_int, value))
+        return None if ok else "a pair of ints"
+    return None
+
+
 # --------------------------------------------------------------------------------- presets
 def _v4_flash() -> ModelConfig:
     n = 43
@@ -278,6 +323,9 @@ _RENAMES = {  # official / legacy spelling -> ModelConfig field
 def _read_config_source(source) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ArgumentTypeError(f"ModelConfig.from_hf: source must be a directory, a config.json "
+                                f"path or a dict, got {describe(source)}")
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -285,9 +333,34 @@ def _read_config_source(source) -> dict[str, Any]:
         raise ConfigError(f"no config.json at {path}")
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object (a dict of fields), got "
+                          f"a JSON {type(raw).__name__}")
+    return raw
+
+
+def _checked(key: str, value, kind: str):
+    """A number read from config.json: `kind` "int" (not bool) or "float" (ints accepted)."""
+    ok = is_int(value) if kind == "int" else is_number(value)
+    if not ok:
+        raise ConfigError(f"config field {key} must be {'an int' if kind == 'int' else 'a number'}, "
+                          f"got {describe(value)}")
+    return int(value) if kind == "int" else float(value)
+
+
+def _checked_dict(key: str, value) -> dict:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"config field {key} must be a JSON object, got {describe(value)}")
+    return dict(value)
+
+
+def _checked_list(key: str, value) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"config field {key} must be a list, got {describe(value)}")
+    return list(value)
 
 
 def _config_from_dict(raw: dict[str, Any], overrides: Mapping[str, Any]) -> ModelConfig:
@@ -309,19 +382,28 @@ def _config_from_dict(raw: dict[str, Any], overrides: Mapping[str, Any]) -> Mode
     n_layers = raw.get("num_hidden_layers")
     if n_layers is None:
         raise ConfigError("config has no num_hidden_layers")
+    n_layers = _checked("num_hidden_layers", n_layers, "int")
+    if n_layers < 1:
+        raise ConfigError(f"config field num_hidden_layers must be a positive int, got {n_layers}")
+    for key in ("head_dim", "qk_rope_head_dim"):
+        if raw.get(key) is not None:
+            _checked(key, raw[key], "int")
 
     # --- attention schedule: transformers layer_types/compress_rates, or official compress_ratios
     layer_types = take("layer_types")
     compress_rates = take("compress_rates")
     compress_ratios = take("compress_ratios")
     if compress_rates is not None:
+        compress_rates = _checked_dict("compress_rates", compress_rates)
         unknown = set(compress_rates) - {CSA, HCA}
         if unknown:
             raise ConfigError(f"compress_rates has unknown layer types {sorted(unknown)}")
-        out["csa_ratio"] = int(compress_rates.get(CSA, 4))
-        out["hca_ratio"] = int(compress_rates.get(HCA, 128))
+        out["csa_ratio"] = _checked(f"compress_rates.{CSA}", compress_rates.get(CSA, 4), "int")
+        out["hca_ratio"] = _checked(f"compress_rates.{HCA}", compress_rates.get(HCA, 128), "int")
+    if compress_ratios is not None:
+        compress_ratios = _checked_list("compress_ratios", compress_ratios)
     if layer_types is not None:
-        out["layer_types"] = tuple(layer_types)
+        out["layer_types"] = tuple(_checked_list("layer_types", layer_types))
     elif compress_ratios is not None:
         ratios = list(compress_ratios)
         if len(ratios) < n_layers:
@@ -349,12 +431,15 @@ def _config_from_dict(raw: dict[str, Any], overrides: Mapping[str, Any]) -> Mode
     # --- MLP schedule: transformers mlp_layer_types, or official num_hash_layers
     mlp_types = take("mlp_layer_types")
     num_hash = take("num_hash_layers")
+    if num_hash is not None:
+        num_hash = _checked("num_hash_layers", num_hash, "int")
     if mlp_types is not None:
+        mlp_types = _checked_list("mlp_layer_types", mlp_types)
         out["mlp_layer_types"] = tuple(mlp_types)
         if num_hash is not None and mlp_types.count(HASH_MOE) != num_hash:
             raise ConfigError(f"num_hash_layers={num_hash} disagrees with mlp_layer_types")
     else:
-        num_hash = 0 if num_hash is None else int(num_hash)
+        num_hash = 0 if num_hash is None else num_hash
         if not 0 <= num_hash <= n_layers:
             raise ConfigError(f"num_hash_layers={num_hash} out of range for {n_layers} layers")
         out["mlp_layer_types"] = (HASH_MOE,) * num_hash + (SCORE_MOE,) * (n_layers - num_hash)
@@ -365,12 +450,15 @@ def _config_from_dict(raw: dict[str, Any], overrides: Mapping[str, Any]) -> Mode
     partial = take("partial_rotary_factor")
     head_dim = raw.get("head_dim")
     if rope_parameters is not None:
-        main = rope_parameters.get("main", {})
-        comp = rope_parameters.get("compress", {})
+        rope_parameters = _checked_dict("rope_parameters", rope_parameters)
+        main = _checked_dict("rope_parameters.main", rope_parameters.get("main", {}))
+        comp = _checked_dict("rope_parameters.compress", rope_parameters.get("compress", {}))
         if "rope_theta" in main:
-            out["rope_theta"] = float(main["rope_theta"])
+            out["rope_theta"] = _checked("rope_parameters.main.rope_theta", main["rope_theta"],
+                                         "float")
         if "rope_theta" in comp:
-            out["compress_rope_theta"] = float(comp["rope_theta"])
+            out["compress_rope_theta"] = _checked("rope_parameters.compress.rope_theta",
+                                                  comp["rope_theta"], "float")
         if comp.get("rope_type", "yarn") == "yarn":
             _take_yarn(comp, out)
         else:
@@ -379,7 +467,10 @@ def _config_from_dict(raw: dict[str, Any], overrides: Mapping[str, Any]) -> Mode
             raise ConfigError(f"compress rope attention_factor={comp['attention_factor']}: "
                               "V4 uses 1.0 (no YaRN mscale)")
         partial = partial or main.get("partial_rotary_factor") or comp.get("partial_rotary_factor")
+    if partial is not None:
+        partial = _checked("partial_rotary_factor", partial, "float")
     if rope_scaling is not None:
+        rope_scaling = _checked_dict("rope_scaling", rope_scaling)
         kind = rope_scaling.get("type", rope_scaling.get("rope_type"))
         if kind != "yarn":
             raise ConfigError(f"rope_scaling type {kind!r}: V4 uses yarn on the compress rope")
@@ -404,7 +495,7 @@ def _config_from_dict(raw: dict[str, Any], overrides: Mapping[str, Any]) -> Mode
         name = _RENAMES.get(key, key)
         if name not in fields:
             raise ConfigError(f"unknown config field {key!r}")
-        if name == "eos_token_id" and isinstance(value, list):
+        if name == "eos_token_id" and isinstance(value, list) and value:
             value = value[0]
         out[name] = tuple(value) if isinstance(value, list) else value
     out.update(overrides)
@@ -422,13 +513,14 @@ def _take_yarn(d: Mapping[str, Any], out: dict[str, Any]) -> None:
     if unknown:
         raise ConfigError(f"unknown rope fields {sorted(unknown)}")
     if "factor" in d:
-        out["yarn_factor"] = float(d["factor"])
+        out["yarn_factor"] = _checked("rope factor", d["factor"], "float")
     if "original_max_position_embeddings" in d:
-        out["yarn_original_max_position"] = int(d["original_max_position_embeddings"])
+        out["yarn_original_max_position"] = _checked(
+            "rope original_max_position_embeddings", d["original_max_position_embeddings"], "int")
     if "beta_fast" in d:
-        out["yarn_beta_fast"] = float(d["beta_fast"])
+        out["yarn_beta_fast"] = _checked("rope beta_fast", d["beta_fast"], "float")
     if "beta_slow" in d:
-        out["yarn_beta_slow"] = float(d["beta_slow"])
+        out["yarn_beta_slow"] = _checked("rope beta_slow", d["beta_slow"], "float")
     for key in ("mscale", "mscale_all_dim"):
         if d.get(key) not in (None, 0, 1, 0.0, 1.0):
             raise ConfigError(f"rope {key}={d[key]}: V4 applies no YaRN amplitude scaling")

@@ -30,9 +30,12 @@ import numpy as np
 from jax.experimental import io_callback
 
 from deepinfer_fn.compile_cache import Job, precompile
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
+from deepinfer_fn.validate import boolean, describe, is_int, one_of, positive_int, token_id
 from deepinfer_fn.model import transformer
 from deepinfer_fn.params import Params
-from deepinfer_fn.sampling import Role, SamplingParams, request_key, sample, sampling_params
+from deepinfer_fn.sampling import (Role, SamplingParams, check_sampling, request_key, sample,
+                                   sampling_params)
 from deepinfer_fn.state import DecodeState, init_state
 from deepinfer_fn import speculative as spec
 from deepinfer_fn import structured
@@ -165,48 +168,97 @@ def _decode_block(params: Params, state: DecodeState, logits, done, sampling: Sa
     return (out, logp, count, state, logits, done, *rest)
 
 
-def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None):
+def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None,
+                  where: str = "generate"):
     """Host-side validation of a prompt batch; returns (tokens int32 [B,T], lengths int32 [B])."""
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except ValueError as e:
+        raise ArgumentError(f"{where}: tokens must be a rectangular [batch, length] array of "
+                            f"token ids (right-pad ragged prompts and pass lengths=): {e}") from None
     if arr.ndim == 1:
         arr = arr[None]
     if arr.ndim != 2:
-        raise ValueError(f"tokens must be [batch, length], got shape {arr.shape}")
+        raise ArgumentError(f"tokens must be [batch, length], got shape {arr.shape}")
     if arr.size == 0:
-        raise ValueError(f"empty prompt batch (tokens shape {arr.shape})")
+        raise ArgumentError(f"empty prompt batch (tokens shape {arr.shape})")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"tokens must hold integer token ids, got dtype {arr.dtype}")
+        raise ArgumentTypeError(f"tokens must hold integer token ids, got dtype {arr.dtype}")
     B, T = arr.shape
-    lens = np.full((B,), T, np.int64) if lengths is None else np.asarray(lengths).astype(np.int64)
+    if lengths is None:
+        lens = np.full((B,), T, np.int64)
+    else:
+        try:
+            lens = np.asarray(lengths)
+        except ValueError as e:
+            raise ArgumentError(f"{where}: lengths must be a [batch] int array: {e}") from None
+        if lens.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"{where}: lengths must hold ints (real prompt lengths), got "
+                                    f"{describe(lengths)} with dtype {lens.dtype}")
+        lens = lens.astype(np.int64)
     if lens.shape != (B,):
-        raise ValueError(f"lengths has shape {lens.shape}, expected ({B},) for {B} prompts")
+        raise ArgumentError(f"lengths has shape {lens.shape}, expected ({B},) for {B} prompts")
     if np.any(lens < 1):
-        raise ValueError(f"empty prompt(s): rows {np.flatnonzero(lens < 1).tolist()} have length < 1")
+        raise ArgumentError(f"empty prompt(s): rows {np.flatnonzero(lens < 1).tolist()} have length < 1")
     if np.any(lens > T):
-        raise ValueError(f"lengths {lens.tolist()} exceed the token array width {T}")
+        raise ArgumentError(f"lengths {lens.tolist()} exceed the token array width {T}")
     real = np.arange(T)[None] < lens[:, None]
     bad = real & ((arr < 0) | (arr >= cfg.vocab_size))
     if bad.any():
         row, col = np.argwhere(bad)[0]
-        raise ValueError(f"token id {int(arr[row, col])} at row {row}, position {col} is outside "
-                         f"the vocabulary [0, {cfg.vocab_size})")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        raise ArgumentError(f"token id {int(arr[row, col])} at row {row}, position {col} is outside "
+                            f"the vocabulary [0, {cfg.vocab_size})")
+    max_new_tokens = positive_int(where, "max_new_tokens", max_new_tokens)
+    if max_len is not None:
+        max_len = positive_int(where, "max_len", max_len)
     limit = cfg.max_position_embeddings if max_len is None else min(max_len, cfg.max_position_embeddings)
     over = lens + max_new_tokens > limit
     if over.any():
         r = int(np.flatnonzero(over)[0])
-        raise ValueError(f"prompt {r} ({int(lens[r])} tokens) + max_new_tokens {max_new_tokens} "
-                         f"exceeds the context limit of {limit} tokens")
+        raise ArgumentError(f"prompt {r} ({int(lens[r])} tokens) + max_new_tokens {max_new_tokens} "
+                            f"exceeds the context limit of {limit} tokens")
     return np.where(real, arr, 0).astype(np.int32), lens.astype(np.int32)
 
 
-def check_stop_tokens(stop_tokens, cfg) -> tuple[int, ...]:
-    stop_tokens = tuple(int(t) for t in stop_tokens)
+def check_stop_tokens(stop_tokens, cfg, where: str = "generate") -> tuple[int, ...]:
+    """stop_tokens as a tuple of ids in [0, vocab) (ints, not bools or floats)."""
+    if isinstance(stop_tokens, (str, bytes)) or is_int(stop_tokens):
+        raise ArgumentTypeError(f"{where}: stop_tokens must be a sequence of token ids, got "
+                                f"{describe(stop_tokens)} (for one id write [id])")
+    try:
+        items = np.asarray(stop_tokens).reshape(-1).tolist() if hasattr(stop_tokens, "shape") \
+            else list(stop_tokens)
+    except TypeError:
+        raise ArgumentTypeError(f"{where}: stop_tokens must be a sequence of token ids, got "
+                                f"{describe(stop_tokens)}") from None
+    wrong = [t for t in items if not is_int(t)]
+    if wrong:
+        raise ArgumentTypeError(f"{where}: stop_tokens must hold int token ids, got "
+                                f"{describe(wrong[0])} in {items!r}")
+    stop_tokens = tuple(int(t) for t in items)
     bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
     if bad:
-        raise ValueError(f"stop_tokens {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+        raise ArgumentError(f"stop_tokens {bad} are outside the vocabulary [0, {cfg.vocab_size})")
     return stop_tokens
+
+
+def check_options(cfg, batch: int, *, where: str, temperature=0.0, top_k=None, top_p=None,
+                  min_p=None, seed=0, pad_id=None, prefill_chunk=512, window_slots=None,
+                  return_logprobs=False, speculative=None, num_draft_tokens=None,
+                  verify_len="fixed") -> None:
+    """Host-side checks of generate's remaining keyword arguments (nothing is traced)."""
+    check_sampling(batch, temperature, top_k, top_p, min_p, seed)
+    if pad_id is not None:
+        token_id(where, "pad_id", pad_id, cfg.vocab_size)
+    positive_int(where, "prefill_chunk", prefill_chunk)
+    if window_slots is not None:
+        positive_int(where, "window_slots", window_slots)
+    boolean(where, "return_logprobs", return_logprobs)
+    if speculative is not None:
+        one_of(where, "speculative", speculative, ("mtp", "dspark"))
+    if num_draft_tokens is not None:
+        positive_int(where, "num_draft_tokens", num_draft_tokens)
+    one_of(where, "verify_len", verify_len, ("fixed", "dynamic", "random"))
 
 
 def _prefill_chunks(tokens: np.ndarray, lengths: np.ndarray, chunk: int):
@@ -317,10 +369,15 @@ def generate(params: Params, tokens, *, lengths=None, max_new_tokens: int,
     at the rows per device.
     """
     if not isinstance(params, Params):
-        raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+        raise ArgumentTypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
     cfg = params.config
     tokens, lengths = check_prompts(tokens, lengths, cfg, max_new_tokens, max_len)
     stop_tokens = check_stop_tokens(stop_tokens, cfg)
+    check_options(cfg, tokens.shape[0], where="generate", temperature=temperature, top_k=top_k,
+                  top_p=top_p, min_p=min_p, seed=seed, pad_id=pad_id,
+                  prefill_chunk=prefill_chunk, window_slots=window_slots,
+                  return_logprobs=return_logprobs, speculative=speculative,
+                  num_draft_tokens=num_draft_tokens, verify_len=verify_len)
     if speculative is not None:
         return _speculative_generate(
             params, tokens, lengths, method=speculative, k=num_draft_tokens,
@@ -353,29 +410,44 @@ def stream_generate(params: Params, tokens, *, block: int = 8, **kwargs):
     `accepted` / `verified` / `draft_confidence` are the histories so far (-1 / 0 for steps
     not run yet)."""
     if not isinstance(params, Params):
-        raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+        raise ArgumentTypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
     speculative = {key: kwargs.pop(key) for key in ("speculative", "num_draft_tokens",
                                                     "drafter", "verify_len", "verify_cost")
                    if key in kwargs}
+    if "max_new_tokens" not in kwargs:
+        raise ArgumentTypeError("stream_generate: missing the keyword argument max_new_tokens")
     max_new_tokens = kwargs.pop("max_new_tokens")
     lengths = kwargs.pop("lengths", None)
+    _with_defaults(kwargs)  # unknown keywords fail here, at the call
     tokens, lengths = check_prompts(tokens, lengths, params.config, max_new_tokens,
-                                    kwargs.get("max_len"))
-    kwargs["stop_tokens"] = check_stop_tokens(kwargs.get("stop_tokens", ()), params.config)
-    block = max(1, int(block))
-    if speculative.get("speculative") is not None:
-        return_logprobs = kwargs.pop("return_logprobs", False)
-        runs = _speculative_run(
-            params, tokens, lengths, method=speculative["speculative"],
-            k=speculative.get("num_draft_tokens"), drafter=speculative.get("drafter"),
-            verify_len=speculative.get("verify_len", "fixed"),
-            verify_cost=speculative.get("verify_cost"), max_new_tokens=int(max_new_tokens),
-            block=block, **_with_defaults(kwargs))
-        pad = params.config.eos_token_id if kwargs.get("pad_id") is None else kwargs["pad_id"]
-        yield from _speculative_pieces(runs, pad_id=pad, return_logprobs=return_logprobs)
-        return
-    yield from _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
-                                block=block, **kwargs)
+                                    kwargs.get("max_len"), where="stream_generate")
+    kwargs["stop_tokens"] = check_stop_tokens(kwargs.get("stop_tokens", ()), params.config,
+                                              where="stream_generate")
+    options = {k: kwargs[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "pad_id",
+                                      "prefill_chunk", "window_slots", "return_logprobs")
+               if k in kwargs}
+    check_options(params.config, tokens.shape[0], where="stream_generate",
+                  speculative=speculative.get("speculative"),
+                  num_draft_tokens=speculative.get("num_draft_tokens"),
+                  verify_len=speculative.get("verify_len", "fixed"), **options)
+    block = positive_int("stream_generate", "block", block)
+    max_new_tokens = int(max_new_tokens)
+
+    def blocks():
+        if speculative.get("speculative") is not None:
+            return_logprobs = kwargs.pop("return_logprobs", False)
+            runs = _speculative_run(
+                params, tokens, lengths, method=speculative["speculative"],
+                k=speculative.get("num_draft_tokens"), drafter=speculative.get("drafter"),
+                verify_len=speculative.get("verify_len", "fixed"),
+                verify_cost=speculative.get("verify_cost"), max_new_tokens=max_new_tokens,
+                block=block, **_with_defaults(kwargs))
+            pad = params.config.eos_token_id if kwargs.get("pad_id") is None else kwargs["pad_id"]
+            yield from _speculative_pieces(runs, pad_id=pad, return_logprobs=return_logprobs)
+            return
+        yield from _generate_blocks(params, tokens, lengths, max_new_tokens=max_new_tokens,
+                                    block=block, **kwargs)
+    return blocks()
 
 
 def _with_defaults(kwargs: dict) -> dict:
@@ -383,9 +455,10 @@ def _with_defaults(kwargs: dict) -> dict:
     out = dict(temperature=0.0, top_k=None, top_p=None, min_p=None, seed=0, stop_tokens=(),
                pad_id=None, prefill_chunk=512, max_len=None, window_slots=None, constraint=None,
                tokenizer=None)
-    unknown = set(kwargs) - set(out)
+    unknown = set(kwargs) - set(out) - {"return_logprobs"}
     if unknown:
-        raise TypeError(f"stream_generate got unexpected keyword arguments {sorted(unknown)}")
+        raise ArgumentTypeError(f"stream_generate got unexpected keyword arguments "
+                                f"{sorted(unknown)}")
     out.update(kwargs)
     return out
 

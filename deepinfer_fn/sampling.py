@@ -55,6 +55,9 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry_2x32
 
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
+from deepinfer_fn.validate import describe
+
 GREEDY_TEMPERATURE = 1e-5
 """Rows with temperature below this are greedy (vLLM's `_SAMPLING_EPS`); avoids logits / T overflow."""
 
@@ -92,18 +95,25 @@ class SamplingParams:
 
 
 def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError as e:
+        raise ArgumentError(f"{name}: expected a scalar or a sequence of length batch={batch}: "
+                            f"{e}") from None
     if arr.ndim == 0:
         arr = np.full((batch,), arr)
     elif arr.ndim != 1 or arr.shape[0] != batch:
-        raise ValueError(f"{name}: expected a scalar or a sequence of length batch={batch}, "
-                         f"got shape {arr.shape}")
+        raise ArgumentError(f"{name}: expected a scalar or a sequence of length batch={batch}, "
+                            f"got shape {arr.shape}")
     if arr.dtype == object or arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name}: expected numbers, got dtype {arr.dtype}")
+        raise ArgumentTypeError(f"{name}: expected numbers, got dtype {arr.dtype} "
+                                f"({describe(value)})")
+    if arr.dtype.kind == "b":
+        raise ArgumentTypeError(f"{name}: expected numbers, got a bool {describe(value)}")
     if not np.all(np.isfinite(arr.astype(np.float64))):
-        raise ValueError(f"{name}: values must be finite, got {arr.tolist()}")
+        raise ArgumentError(f"{name}: values must be finite, got {arr.tolist()}")
     if np.dtype(dtype).kind in "iu" and np.any(arr != np.round(arr)):
-        raise ValueError(f"{name}: values must be integers, got {arr.tolist()}")
+        raise ArgumentError(f"{name}: values must be integers, got {arr.tolist()}")
     return arr.astype(np.float64)
 
 
@@ -124,7 +134,7 @@ def check_sampling(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=No
     """Host-only validation of `sampling_params`' arguments (no device work): numpy
     (temperature, top_k, top_p, min_p, seed) arrays [batch], or ValueError (same rules)."""
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+        raise ArgumentError(f"batch must be a positive int, got {batch!r}")
     batch = int(batch)
     t = _per_row("temperature", temperature, batch, np.float32)
     k = _per_row("top_k", 0 if top_k is None else top_k, batch, np.int32)
@@ -132,15 +142,15 @@ def check_sampling(batch: int, temperature=0.0, top_k=None, top_p=None, min_p=No
     m = _per_row("min_p", 0.0 if min_p is None else min_p, batch, np.float32)
     s = _per_row("seed", seed, batch, np.uint32)
     if np.any(t < 0):
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t.tolist()}")
+        raise ArgumentError(f"temperature must be >= 0 (0 = greedy), got {t.tolist()}")
     if np.any(k < 0) or np.any(k > np.iinfo(np.int32).max):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {k.astype(np.int64).tolist()}")
+        raise ArgumentError(f"top_k must be >= 0 (0 = off), got {k.astype(np.int64).tolist()}")
     if np.any(p <= 0) or np.any(p > 1):
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p.tolist()}")
+        raise ArgumentError(f"top_p must be in (0, 1] (1 = off), got {p.tolist()}")
     if np.any(m < 0) or np.any(m >= 1):
-        raise ValueError(f"min_p must be in [0, 1) (0 = off), got {m.tolist()}")
+        raise ArgumentError(f"min_p must be in [0, 1) (0 = off), got {m.tolist()}")
     if np.any(s < 0) or np.any(s >= 2**32):
-        raise ValueError(f"seed must be in [0, 2**32), got {s.astype(np.int64).tolist()}")
+        raise ArgumentError(f"seed must be in [0, 2**32), got {s.astype(np.int64).tolist()}")
     return t, k, p, m, s
 
 

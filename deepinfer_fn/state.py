@@ -49,6 +49,8 @@ import jax.numpy as jnp
 
 from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.layer_groups import LayerStack, layer_groups
+from deepinfer_fn.errors import ArgumentError
+from deepinfer_fn.validate import float_dtype, positive_int
 
 
 @jax.tree_util.register_dataclass
@@ -110,11 +112,16 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, *, window_slots: int 
     needs sliding_window + k - 1 slots so rejected tokens never overwrite live entries (the
     compressor rings get the same slack).
     """
+    positive_int("init_state", "batch", batch)
+    positive_int("init_state", "max_len", max_len)
+    if window_slots is not None:
+        positive_int("init_state", "window_slots", window_slots)
+    float_dtype("init_state", "dtype", dtype)
     window_slots = window_slots or cfg.sliding_window
     if window_slots < cfg.sliding_window:
-        raise ValueError(f"window_slots={window_slots} < sliding_window={cfg.sliding_window}")
+        raise ArgumentError(f"window_slots={window_slots} < sliding_window={cfg.sliding_window}")
     if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
+        raise ArgumentError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
     shapes = state_shapes(cfg, batch, max_len, window_slots, dtype)
     layers = shapes.map_blocks(lambda scanned, tree: {k: _initial(k, v) for k, v in tree.items()})
     return DecodeState(layers, jnp.zeros((batch,), jnp.int32), max_len, window_slots)

@@ -22,6 +22,8 @@ from deepinfer_fn.checkpoint import quant
 from deepinfer_fn.checkpoint.names import normalize_name, scale_name
 from deepinfer_fn.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
 from deepinfer_fn.config import ConfigError, ModelConfig
+from deepinfer_fn.errors import ArgumentTypeError
+from deepinfer_fn.validate import boolean, describe, float_dtype
 from deepinfer_fn.params import (BF16, FP4, FP8, Params, Spec, ckpt_prefixes, is_spec,
                                  leaf_dtype, param_specs, per_layer)
 
@@ -232,7 +234,23 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
         path = os.environ.get("DEEPINFER_MODEL_PATH")
         if not path:
             raise CheckpointError("no checkpoint path given and DEEPINFER_MODEL_PATH is unset")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"load_params: path must be a checkpoint directory (str or "
+                                f"os.PathLike), got {describe(path)}")
     path = os.fspath(path)
+    float_dtype("load_params", "dtype", dtype)
+    if config is not None and not isinstance(config, ModelConfig):
+        raise ArgumentTypeError(f"load_params: config must be a ModelConfig or None, got "
+                                f"{describe(config)}")
+    if include_mtp is not None:
+        boolean("load_params", "include_mtp", include_mtp)
+    boolean("load_params", "progress", progress)
+    if os.path.isfile(path):
+        hint = (f"; pass its directory {os.path.dirname(os.path.abspath(path))!r} instead"
+                if os.path.basename(path) in ("config.json", "model.safetensors.index.json")
+                or path.endswith(".safetensors") else "")
+        raise CheckpointError(f"load_params: {path} is a file, but a checkpoint directory "
+                              f"(config.json + model*.safetensors) is expected{hint}")
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     try:

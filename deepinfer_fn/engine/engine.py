@@ -116,6 +116,8 @@ from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, 
 from deepinfer_fn.engine.spec_step import schedule_args, spec_decode_packed, spec_prefill_packed
 from deepinfer_fn.engine.step import forward_packed, sample_packed, substep_packed
 from deepinfer_fn.params import Params, count_params
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
+from deepinfer_fn.validate import boolean, non_negative_int, one_of, positive_int
 
 
 @dataclasses.dataclass
@@ -277,7 +279,8 @@ class Engine:
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
                  verify_cost=None, verify_widths=None):
         if not isinstance(params, Params):
-            raise TypeError(f"params must be deepinfer_fn.Params, got {type(params).__name__}")
+            raise ArgumentTypeError(f"params must be deepinfer_fn.Params, got "
+                                    f"{type(params).__name__}")
         cfg = params.config
         self.params, self.cfg = params, cfg
         ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
@@ -285,11 +288,23 @@ class Engine:
             page_size = math.lcm(*ratios) if ratios else 16
         check_page_size(cfg, page_size)
         for name, v in (("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            positive_int("Engine", name, v)
+        for name, v in (("max_len", max_len), ("num_pages", num_pages),
+                        ("prefill_chunk", prefill_chunk), ("window_slots", window_slots)):
+            if v is not None:
+                positive_int("Engine", name, v)
+        if replay_tokens is not None:
+            non_negative_int("Engine", "replay_tokens", replay_tokens)
+        for name, v in (("prefix_cache", prefix_cache), ("async_scheduling", async_scheduling),
+                        ("progress", progress), ("measure_idle", measure_idle)):
+            boolean("Engine", name, v)
+        one_of("Engine", "verify_len", verify_len, ("fixed", "dynamic"))
+        if window_slots is not None and window_slots < cfg.sliding_window:
+            raise ArgumentError(f"Engine: window_slots={window_slots} must be >= the model's "
+                                f"sliding_window={cfg.sliding_window}")
         max_len = max_len or min(4096, cfg.max_position_embeddings)
         if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
+            raise ArgumentError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
         max_pages = -(-max_len // page_size)
         num_pages = num_pages or max_batch * max_pages + 1
         chunk = min(prefill_chunk or 256, max_tokens_per_step)
@@ -299,22 +314,22 @@ class Engine:
                                              for w in widths}
         prefill_shapes = tuple(sorted((int(r), int(w)) for r, w in prefill_shapes))
         if not prefill_shapes or any(r < 1 or w < 1 or r > max_batch for r, w in prefill_shapes):
-            raise ValueError(f"prefill_shapes {prefill_shapes}: (rows, width) pairs with "
+            raise ArgumentError(f"prefill_shapes {prefill_shapes}: (rows, width) pairs with "
                              f"1 <= rows <= max_batch={max_batch}")
         decode_buckets = tuple(sorted(decode_buckets or
                                       buckets_up_to(min(max_batch, max_tokens_per_step))))
         if decode_buckets[-1] < min(max_batch, max_tokens_per_step):
-            raise ValueError(f"decode_buckets {decode_buckets} must reach "
+            raise ArgumentError(f"decode_buckets {decode_buckets} must reach "
                              f"min(max_batch, max_tokens_per_step)")
         gamma = self._check_speculative(speculative, drafter, num_draft_tokens, verify_len,
                                         verify_cost)
         if gamma and max_tokens_per_step < gamma + 1:
-            raise ValueError(f"max_tokens_per_step={max_tokens_per_step} must be >= 1 + γ = "
+            raise ArgumentError(f"max_tokens_per_step={max_tokens_per_step} must be >= 1 + γ = "
                              f"{gamma + 1} (a speculative decode row verifies up to 1 + γ tokens)")
         if gamma:       # rejected drafts must not overwrite live ring entries (state.py)
             window_slots = max(window_slots or 0, cfg.sliding_window + gamma)
         if replay_tokens is not None and replay_tokens < cfg.csa_ratio:
-            raise ValueError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
+            raise ArgumentError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
                              f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
         self.max_batch, self.page_size, self.max_len = max_batch, page_size, max_pages * page_size
         self.async_scheduling, self.progress = async_scheduling, progress
@@ -347,7 +362,7 @@ class Engine:
                 else:
                     self._widths[b] = widths or (gamma + 1,)
         elif verify_widths is not None:
-            raise ValueError("verify_widths needs speculative='dspark' or 'mtp'")
+            raise ArgumentError("verify_widths needs speculative='dspark' or 'mtp'")
         self._active_params = count_params(cfg)["active"]
         self._tokenizer = tokenizer
         self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
@@ -363,7 +378,7 @@ class Engine:
             return None
         w = tuple(int(x) for x in widths)
         if not w or list(w) != sorted(set(w)) or w[0] < 1 or w[-1] != gamma + 1:
-            raise ValueError(f"verify_widths {widths} must be ascending distinct column counts "
+            raise ArgumentError(f"verify_widths {widths} must be ascending distinct column counts "
                              f"in 1..{gamma + 1} ending at 1 + γ = {gamma + 1}")
         return w
 
@@ -371,40 +386,40 @@ class Engine:
         """Validates the speculative arguments; returns γ (drafts per step) or 0."""
         if speculative is None:
             if drafter is not None or k is not None or verify_cost is not None:
-                raise ValueError("drafter / num_draft_tokens / verify_cost need speculative="
+                raise ArgumentError("drafter / num_draft_tokens / verify_cost need speculative="
                                  "'dspark' or 'mtp'")
             return 0
         from deepinfer_fn.api import mesh_context
         if mesh_context(self.params)[0] is not None:
             raise NotImplementedError("a speculative engine on a sharded mesh is not supported yet")
         if verify_len not in ("fixed", "dynamic"):
-            raise ValueError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
+            raise ArgumentError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
         if verify_len == "fixed" and verify_cost is not None:
-            raise ValueError("verify_cost is only used with verify_len='dynamic'")
+            raise ArgumentError("verify_cost is only used with verify_len='dynamic'")
         if speculative == "dspark":
             from deepinfer_fn.speculative.dspark import DSpark, check_target
             if not isinstance(drafter, DSpark):
-                raise ValueError("speculative='dspark' needs drafter=<a loaded DSpark drafter>, "
+                raise ArgumentError("speculative='dspark' needs drafter=<a loaded DSpark drafter>, "
                                  "e.g. deepinfer_fn.speculative.load_dspark(path, params) (got "
                                  f"{type(drafter).__name__})")
             check_target(drafter.config, self.cfg)
             gamma = drafter.config.block_size
             if k is not None and k != gamma:
-                raise ValueError(f"num_draft_tokens={k!r} but this DSpark drafter has block size "
+                raise ArgumentError(f"num_draft_tokens={k!r} but this DSpark drafter has block size "
                                  f"{gamma}: the draft width is a checkpoint constant")
             return gamma
         if speculative != "mtp":
-            raise ValueError(f"speculative={speculative!r}: expected None, 'mtp' or 'dspark'")
+            raise ArgumentError(f"speculative={speculative!r}: expected None, 'mtp' or 'dspark'")
         if drafter is not None:
-            raise ValueError("drafter= is only used with speculative='dspark'")
+            raise ArgumentError("drafter= is only used with speculative='dspark'")
         if not self.params["mtp"]:
-            raise ValueError("speculative='mtp' needs params with an MTP block (these have none)")
+            raise ArgumentError("speculative='mtp' needs params with an MTP block (these have none)")
         if verify_len != "fixed" or verify_cost is not None:
-            raise ValueError("speculative='mtp' verifies every draft (verify_len='fixed'): "
+            raise ArgumentError("speculative='mtp' verifies every draft (verify_len='fixed'): "
                              "the MTP has no confidence head for a dynamic verify length")
         k = 3 if k is None else k
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
+            raise ArgumentError(f"num_draft_tokens must be a positive int, got {k!r}")
         return int(k)
 
     # ------------------------------------------------------------------ public

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn.config import CSA, HCA, ModelConfig
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.layer_groups import LayerStack
 from deepinfer_fn.state import layer_state_shapes, state_shapes
 
@@ -65,9 +66,11 @@ class PagedState:
 def check_page_size(cfg: ModelConfig, page_size: int) -> None:
     ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
     bad = [m for m in ratios if page_size % m]
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise ArgumentTypeError(f"page_size must be an int, got {page_size!r}")
     if page_size < 1 or bad:
-        raise ValueError(f"page_size={page_size} must be a positive multiple of every "
-                         f"compression ratio {sorted(set(ratios))}")
+        raise ArgumentError(f"page_size={page_size} must be a positive multiple of every "
+                            f"compression ratio {sorted(set(ratios))}")
 
 
 def init_paged_state(cfg: ModelConfig, *, max_batch: int, num_pages: int, page_size: int,

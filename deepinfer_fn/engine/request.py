@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from deepinfer_fn.sampling import check_sampling, scalar_sampling_ok
+from deepinfer_fn.validate import describe, is_int
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
 
@@ -138,10 +139,16 @@ def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int) -> t
             check_sampling(1, req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
     except (ValueError, TypeError) as e:
         return [], f"bad sampling parameters: {e}"
+    if isinstance(req.stop_tokens, (str, bytes)) or is_int(req.stop_tokens):
+        return [], f"stop_tokens must be a sequence of token ids, got {describe(req.stop_tokens)}"
     try:
-        stops = [int(t) for t in req.stop_tokens]
-    except (TypeError, ValueError) as e:
+        stops = list(req.stop_tokens)
+    except TypeError as e:
         return [], f"stop_tokens must be token ids: {e}"
+    wrong = [t for t in stops if not is_int(t)]
+    if wrong:
+        return [], f"stop_tokens must hold int token ids, got {describe(wrong[0])}"
+    stops = [int(t) for t in stops]
     bad_stops = [t for t in stops if not 0 <= t < vocab_size]
     if bad_stops:
         return [], f"stop_tokens {bad_stops} are outside the vocabulary [0, {vocab_size})"
