@@ -236,9 +236,13 @@ def test_compile_time_independent_of_depth():
     def cfg_of(n):
         return TINY.replace(num_hidden_layers=n, layer_types=(SWA, CSA) + (HCA, CSA) * (n // 2 - 1),
                             mlp_layer_types=(HASH_MOE,) * 2 + (SCORE_MOE,) * (n - 2))
-    small = min(_compile_seconds(cfg_of(4)) for _ in range(2))
-    big = min(_compile_seconds(cfg_of(16)) for _ in range(2))
-    assert big <= 1.5 * small, (big, small)
+    # Interleaved, best of 3 each: a compile on the other test worker slows either one.
+    times = {4: [], 16: []}
+    for _ in range(3):
+        for n in (4, 16):
+            times[n].append(_compile_seconds(cfg_of(n)))
+    small, big = min(times[4]), min(times[16])
+    assert big <= 1.5 * small, times
 
 
 # ----------------------------------------------------------------------------- abstract
