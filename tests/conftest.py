@@ -1,6 +1,7 @@
 """Shared test set-up: CPU only, offline, persistent compilation cache, golden-file access."""
 
 import contextlib
+import gc
 import os
 import pathlib
 
@@ -27,6 +28,30 @@ GOLDEN = ROOT / "tests" / "golden"
 jax.config.update("jax_compilation_cache_dir", str(ROOT / ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def memory_map_count() -> int:
+    """Memory regions this process maps (Linux); 0 where /proc is absent."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """XLA:CPU maps three memory regions per loaded kernel and keeps every program a jitted
+    function compiled: a worker holding the whole suite's programs passes the kernel's
+    vm.max_map_count (65,530 by default; 40k maps were seen at 60% of the suite) and dies in
+    an mmap. Programs are dropped after each module; later modules reload them from the
+    persistent cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    maps = memory_map_count()
+    assert maps < 30_000, (f"{maps} memory maps remain after releasing this module's programs: "
+                           "something keeps compiled executables alive (limit 65,530)")
 
 
 @contextlib.contextmanager
