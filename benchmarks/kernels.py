@@ -39,9 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from deepinfer_fn import kernels  # noqa: E402
+from deepinfer_fn import kernels, kernels_xla  # noqa: E402
 
-kernels._ensure_custom_calls_loaded()
 from custom_calls import grouped_matmul as gmm_mod  # noqa: E402
 from custom_calls import sparse_attention as sa_mod  # noqa: E402
 
@@ -206,7 +205,7 @@ def grouped_extra_checks():
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
     got = jax.jit(functools.partial(gmm_mod.grouped_matmul_mgpu, **_interp()))(x, w, jnp.asarray(sizes))
-    want = kernels._grouped_matmul_xla(x, w, jnp.asarray(sizes))
+    want = kernels_xla.grouped_matmul(x, w, jnp.asarray(sizes))
     tail = float(np.abs(np.asarray(got[65:], np.float32)).max())
     check("grouped odd shapes 70x96x80 G=5", got, want, extra={"tail_rows_absmax": tail})
     if tail != 0.0:
@@ -218,7 +217,7 @@ def grouped_extra_checks():
     if DRY:
         return
     got = jax.jit(gmm_mod.grouped_matmul_mgpu)(x, w, jnp.asarray(sizes))
-    want = kernels._grouped_matmul_xla(x, w, jnp.asarray(sizes))
+    want = kernels_xla.grouped_matmul(x, w, jnp.asarray(sizes))
     tail = float(np.abs(np.asarray(got[30:], np.float32)).max())
     check("grouped decode with 18 padding rows", got, want, extra={"tail_rows_absmax": tail})
     if tail != 0.0:
@@ -247,10 +246,10 @@ def grouped_case(tokens, which, variants, shipped, nsets):
     flops = 2.0 * m * k * n
     bytes_ = m * k * 2 + used * k * n * 2 + m * n * 2
     x0, w0, g0 = sets[0]
-    want = jax.jit(kernels._grouped_matmul_xla)(x0, w0, g0)
+    want = jax.jit(kernels_xla.grouped_matmul)(x0, w0, g0)
     label = f"grouped_matmul {which} tokens={tokens} M={m} K={k} N={n}"
     log(label)
-    impls = [("xla", kernels._grouped_matmul_xla, {})]
+    impls = [("xla", kernels_xla.grouped_matmul, {})]
     for name, cfg in variants:
         impls.append((name, functools.partial(gmm_mod.grouped_matmul_mgpu, **cfg, **_interp()), cfg))
     bm = 64 if m < 1024 else 128
@@ -307,7 +306,7 @@ def sparse_extra_checks():
               (1, 1, 16, 256, 40, 50, 30)]
     for shape in shapes[-1:] if DRY else shapes:
         args = sparse_inputs(sum(shape), *shape, masked=True)
-        want = jax.jit(kernels._sparse_attention_xla)(*args)
+        want = jax.jit(kernels_xla.sparse_attention)(*args)
         for sp in (None, 1):
             got = jax.jit(functools.partial(sa_mod.sparse_attention_mgpu, splits=sp, **_interp()))(*args)
             check(f"sparse masked B,S,H,d,Wk,N,K={shape} splits={sp}", got, want)
@@ -321,10 +320,10 @@ def sparse_case(b, variants, n_rows=4096, nsets=3):
     flops = 4.0 * b * s * h * (wk + k) * d
     bytes_ = (b * s * h * d * 2 + b * wk * d * 2 + b * s * k * d * 2 + b * s * k * 4
               + b * s * wk * 4 + b * s * h * d * 2)
-    want = jax.jit(kernels._sparse_attention_xla)(*sets[0])
+    want = jax.jit(kernels_xla.sparse_attention)(*sets[0])
     label = f"sparse_attention B={b} S={s} H={h} d={d} Wk={wk} K={k} N={n_rows}"
     log(label)
-    impls = [("xla", kernels._sparse_attention_xla, {})]
+    impls = [("xla", kernels_xla.sparse_attention, {})]
     for name, cfg in variants:
         impls.append((name, functools.partial(sa_mod.sparse_attention_mgpu, **cfg, **_interp()), cfg))
     # The XLA half of the mosaic pipeline alone (gather + concat), to split its time.

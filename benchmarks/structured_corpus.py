@@ -128,7 +128,7 @@ def measure(rows_sample: int, max_new_tokens: int, batch: int, seed: int) -> dic
     rng = random.Random(seed)
     walks = collections.Counter()
     for i in ok:
-        m = matchers[i]._copy()
+        m = matchers[i].copy()
         end = walk(m, closing, rng, 256)
         if end == "eos":
             walks[validity(corpus[i]["schema"], m.answer_text()).split(":")[0]] += 1

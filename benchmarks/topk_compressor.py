@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels, kernels_xla
 from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.model.cached import compressor_chunk
 from deepinfer_fn.model.compressor import compressor_decode_step
@@ -82,10 +82,10 @@ def bench_topk(out):
             scores = jnp.asarray(rng.standard_normal((b, 1, n)), jnp.float32)
             vis = jnp.ones((b, 1, n), bool)
             base = loop_time(lambda s, v: s[..., :1], scores, (vis,))
-            for name, fn in [("xla", kernels._top_k_rows_xla),
-                             ("select", kernels._top_k_rows_select),
-                             ("select4", lambda s, v, k: kernels._top_k_rows_select(s, v, k, 4)),
-                             ("select8", lambda s, v, k: kernels._top_k_rows_select(s, v, k, 8))]:
+            for name, fn in [("xla", kernels_xla.top_k_rows),
+                             ("select", kernels_xla.top_k_rows_select),
+                             ("select4", lambda s, v, k: kernels_xla.top_k_rows_select(s, v, k, 4)),
+                             ("select8", lambda s, v, k: kernels_xla.top_k_rows_select(s, v, k, 8))]:
                 f = lambda s, v, fn=fn: fn(s, v, k)
                 save(out, what="topk", impl=name, B=b, N=n, k=k, us=loop_time(f, scores, (vis,)),
                      loop_us=base, kernels=kernel_count(f, scores, vis))
@@ -143,8 +143,8 @@ def bench_compressor(out):
 
             def op(x, pos, impl, **kw):
                 if impl == "xla":
-                    return kernels._compressor_decode_xla(x, pos, params, rings, m, freqs, eps)
-                fn = kernels._REGISTRY["compressor_decode"]["mosaic_gpu"]
+                    return kernels_xla.compressor_decode(x, pos, params, rings, m, freqs, eps)
+                fn = kernels.implementation("compressor_decode", "mosaic_gpu")
                 return fn(x, pos, params, rings, m, freqs, eps, **kw)
 
             want = op(x, pos, "xla")

@@ -1,4 +1,5 @@
-"""Custom-call kernel implementations, registered into `deepinfer_fn.kernels` on import.
+"""Custom-call kernel implementations, registered into `deepinfer_fn.kernel_registry` on import
+(`deepinfer_fn.kernels` imports this package).
 
 `mosaic_gpu` (Pallas Mosaic GPU, NVIDIA Hopper / sm_90):
   grouped_matmul    custom_calls.grouped_matmul.grouped_matmul_mgpu
@@ -9,25 +10,27 @@
 
 Each implementation has `available()` (True only on an sm_90 NVIDIA device, so the
 registry's GPU preference falls back to XLA elsewhere) and an `interpret=False` keyword that
-runs the kernel under Pallas' GPU interpret mode on CPU (tests/test_kernels_gpu.py).
+runs the kernel under Pallas' GPU interpret mode on CPU (tests/test_kernels_gpu.py). Inputs a
+kernel does not support fall back to the XLA reference (`deepinfer_fn.kernels_xla`).
 """
 
-from deepinfer_fn import kernels as _kernels
+from deepinfer_fn.kernel_registry import register
 from custom_calls.grouped_matmul import grouped_matmul_mgpu
 from custom_calls.sparse_attention import sparse_attention_mgpu
 from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu
 from custom_calls.attention import attention_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
 
-_kernels.register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
-_kernels.register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
-_kernels.register("mhc_pre", "mosaic_gpu")(mhc_pre_mgpu)
-_kernels.register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
-_kernels.register("attention", "mosaic_gpu")(attention_mgpu)
-_kernels.register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
+register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
+register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
+register("mhc_pre", "mosaic_gpu")(mhc_pre_mgpu)
+register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
+register("attention", "mosaic_gpu")(attention_mgpu)
+register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 
-# Opt-in: never chosen by platform preference, only when forced (kernels.py docstring).
+# Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
 for _fn in (mhc_pre_mgpu, mhc_post_mgpu, attention_mgpu, compressor_decode_mgpu):
     _fn.opt_in = True
 
-__all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu", "attention_mgpu", "compressor_decode_mgpu"]
+__all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
+           "attention_mgpu", "compressor_decode_mgpu"]

@@ -15,7 +15,7 @@ the key splits with the sink.
 Supported (`supported`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H a multiple of 8 and
 <= 64, T <= MAX_TOKENS query tokens a sequence (decode and speculative verify). Everything
 else, prefill tiles (T > MAX_TOKENS) included, is served by the XLA reference
-(`deepinfer_fn.kernels._attention_xla`): a CTA per query token streams all S keys, which for
+(`deepinfer_fn.kernels_xla.attention`): a CTA per query token streams all S keys, which for
 a prefill tile (S ~ T keys, T tokens) reads the keys T times; a query-block flash attention
 is the kernel that would serve prefill and is not built.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from custom_calls._common import on_hopper, round_up
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels_xla
 from custom_calls.flash_decode import flash_decode, plan, supported_geometry
 
 MAX_TOKENS = 16  # T a sequence served by the kernel: decode and speculative verify.
@@ -57,7 +57,7 @@ def attention_mgpu(q, keys, bias, sinks, *, interpret: bool = False, block_k: in
     """Registry signature (deepinfer_fn.kernels.attention); unsupported inputs (see
     `supported`) are served by the XLA reference."""
     if not supported(q, keys, bias):
-        return kernels._attention_xla(q, keys, bias, sinks)
+        return kernels_xla.attention(q, keys, bias, sinks)
     b, t, h, d = q.shape
     splits, length = plan(b * t, keys.shape[1], block_k, splits, interpret)
     keys_p, bias_p = pad_keys(keys, bias, length)

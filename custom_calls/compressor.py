@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from custom_calls._common import maybe_interpret, round_up
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels_xla
 
 _ROWS = 64          # wgmma M: batch rows of one CTA
 _BIG = 1e30         # "minus infinity" of the online softmax (finite: no inf - inf)
@@ -288,7 +288,7 @@ def compressor_decode_mgpu(x, position, params, rings, ratio, freqs, eps, *,
                            interpret: bool = False, tn: int = 32, block_k: int = 64,
                            stages: int = 4, splits: int | None = None):
     if not supported(x, params, rings, tn, block_k):
-        return kernels._compressor_decode_xla(x, position, params, rings, ratio, freqs, eps)
+        return kernels_xla.compressor_decode(x, position, params, rings, ratio, freqs, eps)
     b, _ = x.shape
     bp = round_up(b, _ROWS)
     dtype = params[0]["wkv"].dtype
@@ -314,7 +314,7 @@ def compressor_decode_mgpu(x, position, params, rings, ratio, freqs, eps, *,
     for p, (kappa, gate, parts) in zip(params, res):
         pooled = merge_splits(parts[:, :, :b], dtype)
         out.append((kappa[:b], gate[:b],
-                    kernels.compressor_row_finish(p, pooled, pos, ratio, freqs, eps)))
+                    kernels_xla.compressor_row_finish(p, pooled, pos, ratio, freqs, eps)))
     return tuple(out)
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from custom_calls._common import maybe_interpret, on_hopper, round_up
+from deepinfer_fn import kernels_xla
 
 NUM_SMS = 132  # H100 SXM / H200: the persistent grid size
 
@@ -191,8 +192,7 @@ def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, pad_m: bo
     to a multiple of 8 (when > 8). `pad_m=True` pads x to the row block instead (an extra
     copy of the activations; kept for comparison)."""
     if w.dtype not in (jnp.bfloat16, jnp.float16):
-        from deepinfer_fn.kernels import _grouped_matmul_xla
-        return _grouped_matmul_xla(x, w, group_sizes)
+        return kernels_xla.grouped_matmul(x, w, group_sizes)
     m, k = x.shape
     g, k2, n = w.shape
     if k != k2 or group_sizes.shape != (g,):

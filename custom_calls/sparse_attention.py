@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from custom_calls._common import on_hopper, round_up
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels_xla
 from custom_calls.flash_decode import flash_decode, plan, supported_geometry
 
 MAX_TOKENS = 16  # S a sequence: decode and speculative verify. Larger S (prefill) would
@@ -67,7 +67,7 @@ def sparse_attention_mgpu(q, window_kv, window_bias, rows, row_idx, sinks, *,
     """Registry signature (deepinfer_fn.kernels.sparse_attention); unsupported inputs (see
     `supported`) are served by the XLA reference."""
     if not supported(q, window_kv):
-        return kernels._sparse_attention_xla(q, window_kv, window_bias, rows, row_idx, sinks)
+        return kernels_xla.sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks)
     b, s, h, d = q.shape
     t_count = b * s
     splits, length = plan(t_count, window_kv.shape[1] + row_idx.shape[-1], block_k, splits,

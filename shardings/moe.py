@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_fn import kernels
-from deepinfer_fn.model.moe import routed_experts, swiglu
+from deepinfer_fn.model.experts import routed_experts, swiglu
 
 BATCH = ("dp", "ep")
 

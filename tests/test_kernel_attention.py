@@ -17,7 +17,6 @@ import pytest
 from deepinfer_fn import kernels
 from test_kernels_gpu import INTERPRET, pallas_kernels, run_kernel
 
-kernels._ensure_custom_calls_loaded()
 try:
     from custom_calls import _common
     from custom_calls.attention import MAX_TOKENS, attention_mgpu
@@ -60,7 +59,7 @@ def _check(args, **kw):
 
 def test_registered():
     assert "mosaic_gpu" in kernels.implementations("attention")
-    assert kernels._REGISTRY["attention"]["mosaic_gpu"] is attention_mgpu
+    assert kernels.implementation("attention", "mosaic_gpu") is attention_mgpu
     assert attention_mgpu.available() is (not INTERPRET)
     assert attention_mgpu.opt_in                       # chosen only when forced
     assert kernels.choose("attention", "gpu") == "xla"

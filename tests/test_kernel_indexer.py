@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels, kernels_xla
 
 TOPK_IMPLS = [i for i in kernels.implementations("top_k_rows") if i.startswith("xla")]
 
@@ -74,7 +74,7 @@ def test_top_k_rows_matches_reference_and_brute_force(impl, dtype, shape, k, lev
 @pytest.mark.parametrize("bits", [1, 3, 4, 8])
 def test_top_k_select_any_digit_width(bits):
     scores, visible = _case(5, (4, 1, 50), 9, jnp.float32)
-    got = kernels._top_k_rows_select(scores, visible, 11, radix_bits=bits)
+    got = kernels_xla.top_k_rows_select(scores, visible, 11, radix_bits=bits)
     assert _sets(got) == _brute_top_k(np.asarray(scores), np.asarray(visible), 11)
 
 
@@ -83,13 +83,13 @@ def test_top_k_select_extreme_values():
     scores = jnp.asarray(np.tile(vals, 3)[None, None])
     visible = jnp.ones(scores.shape, bool)
     for k in range(1, 25):
-        got = kernels._top_k_rows_select(scores, visible, k)
+        got = kernels_xla.top_k_rows_select(scores, visible, k)
         assert _sets(got) == _brute_top_k(np.asarray(scores), np.asarray(visible), k), k
 
 
 def test_top_k_select_is_jittable_and_has_no_sort():
     scores, visible = _case(7, (2, 1, 128), 20, jnp.float32)
-    f = jax.jit(lambda s, v: kernels._top_k_rows_select(s, v, 32))
+    f = jax.jit(lambda s, v: kernels_xla.top_k_rows_select(s, v, 32))
     assert _sets(f(scores, visible)) == _brute_top_k(np.asarray(scores), np.asarray(visible), 32)
     hlo = f.lower(scores, visible).as_text()
     assert "stablehlo.sort" not in hlo and "chlo.top_k" not in hlo
@@ -189,9 +189,8 @@ def _rel(got, want):
 
 @mgpu
 def test_compressor_decode_registered_not_chosen_on_cpu():
-    kernels._ensure_custom_calls_loaded()
     assert "mosaic_gpu" in kernels.implementations("compressor_decode")
-    assert kernels._REGISTRY["compressor_decode"]["mosaic_gpu"].available() is False
+    assert kernels.implementation("compressor_decode", "mosaic_gpu").available() is False
     assert kernels.choose("compressor_decode", "gpu") == "xla"
 
 
@@ -220,7 +219,7 @@ def test_compressor_decode_kernel_interpret_bf16(m, overlap, dims, positions, tn
                                               interpret=True, tn=tn, splits=splits)
     assert any(p in str(jax.make_jaxpr(f)(x, pos)) for p in _KERNEL_PRIMITIVES)
     got = f(x, pos)
-    want = kernels._compressor_decode_xla(x, pos, params, rings, m, FREQS, 1e-6)
+    want = kernels_xla.compressor_decode(x, pos, params, rings, m, FREQS, 1e-6)
     for (kappa, gate, row), (kappa_w, gate_w, row_w) in zip(got, want):
         assert kappa.dtype == kappa_w.dtype and row.dtype == row_w.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(kappa, np.float32), np.asarray(kappa_w, np.float32))

@@ -9,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels, kernels_xla
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import mhc
 from deepinfer_fn.model.common import rms_norm
 
-kernels._ensure_custom_calls_loaded()
 try:
     from custom_calls import _common
     from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu
@@ -72,7 +71,7 @@ def test_sublayer_helpers_keep_leading_axes():
 def test_registered_opt_in_and_not_chosen_on_cpu():
     for op in ("mhc_pre", "mhc_post"):
         assert {"xla", "mosaic_gpu", "sm100", "ascend"} <= set(kernels.implementations(op))
-        assert kernels._REGISTRY[op]["mosaic_gpu"].opt_in
+        assert kernels.implementation(op, "mosaic_gpu").opt_in
         assert kernels.choose(op, "cpu") == kernels.choose(op, "gpu") == "xla"
         with kernels.use(op, "mosaic_gpu"):
             assert kernels.choose(op, "gpu") == "mosaic_gpu"
@@ -99,7 +98,7 @@ def test_mhc_kernels_interpret(ntok, d):
     x, fn, base, scale, w, y = _inputs(ntok + d, ntok, d, jnp.bfloat16)
     assert _ran_kernel(_pre, x, fn, base, scale, w)
     h, post, comb = _pre(x, fn, base, scale, w)
-    h0, post0, comb0 = kernels._mhc_pre_xla(x, fn, base, scale, w, **KW)
+    h0, post0, comb0 = kernels_xla.mhc_pre(x, fn, base, scale, w, **KW)
     assert h.dtype == jnp.bfloat16 and h.shape == h0.shape
     assert _rel(h, h0) < 1e-2
     np.testing.assert_allclose(post, post0, rtol=1e-4, atol=1e-5)
@@ -107,7 +106,7 @@ def test_mhc_kernels_interpret(ntok, d):
 
     assert _ran_kernel(_post, x, y, post0, comb0)
     out = _post(x, y, post0, comb0)
-    want = kernels._mhc_post_xla(x, y, post0, comb0)
+    want = kernels_xla.mhc_post(x, y, post0, comb0)
     assert out.dtype == jnp.bfloat16
     assert _rel(out, want) < 1e-3   # same bf16 roundings as the reference
 
@@ -126,11 +125,11 @@ def test_unsupported_falls_back_to_reference():
     x, fn, base, scale, w, y = _inputs(2, 3, 64, jnp.float32)   # fp32 streams
     assert not _ran_kernel(functools.partial(mhc_pre_mgpu, **KW), x, fn, base, scale, w)
     got = mhc_pre_mgpu(x, fn, base, scale, w, **KW)
-    want = kernels._mhc_pre_xla(x, fn, base, scale, w, **KW)
+    want = kernels_xla.mhc_pre(x, fn, base, scale, w, **KW)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(mhc_post_mgpu(x, y, want[1], want[2])),
-                                  np.asarray(kernels._mhc_post_xla(x, y, want[1], want[2])))
+                                  np.asarray(kernels_xla.mhc_post(x, y, want[1], want[2])))
 
 
 @needs_interpret

@@ -79,15 +79,14 @@ def test_gpu_kernels_match_reference_in_interpret_mode():
     """Mosaic GPU grouped_matmul (when registered) vs XLA, via Pallas' GPU interpreter, in bf16
     (fp32 operands would be served by the XLA reference); the jaxpr must hold the interpret-mode
     kernel. tests/test_kernels_gpu.py and tests/test_kernel_*.py cover every kernel."""
-    kernels._ensure_custom_calls_loaded()
     if "mosaic_gpu" not in kernels.implementations("grouped_matmul"):
         pytest.skip("no Mosaic GPU grouped_matmul registered in this build")
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     x, w, sizes = _grouped_inputs(m=256, k=128, n=128, g=4)
     x, w, sizes = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.asarray(sizes)
-    fn = functools.partial(kernels._REGISTRY["grouped_matmul"]["mosaic_gpu"], interpret=True)
+    fn = functools.partial(kernels.implementation("grouped_matmul", "mosaic_gpu"), interpret=True)
     launches = pallas_kernels(fn, x, w, sizes)
     assert launches and all(launches), f"the kernel did not run in interpret mode: {launches}"
-    want = kernels._REGISTRY["grouped_matmul"]["xla"](x, w, sizes).astype(jnp.float32)
+    want = kernels.implementation("grouped_matmul", "xla")(x, w, sizes).astype(jnp.float32)
     got = fn(x, w, sizes).astype(jnp.float32)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)

@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_fn import kernels
+from deepinfer_fn import kernels, kernels_xla
 
-kernels._ensure_custom_calls_loaded()
 try:
     from custom_calls import _common
     from custom_calls.grouped_matmul import grouped_matmul_mgpu
@@ -92,7 +91,7 @@ def _grouped(seed, m, k, n, g, pad, empty=()):
 def test_registered_and_not_chosen_on_cpu():
     for op in ("grouped_matmul", "sparse_attention", "attention"):
         assert "mosaic_gpu" in kernels.implementations(op)
-        fn = kernels._REGISTRY[op]["mosaic_gpu"]
+        fn = kernels.implementation(op, "mosaic_gpu")
         assert fn.available() is (not INTERPRET)
         assert kernels.choose(op, "cpu") == "xla"
         # Without an sm_90 device the GPU preference falls back to XLA; opt-in kernels
@@ -113,7 +112,7 @@ def test_grouped_matmul_interpret(m, k, n, g, pad, empty, blocks):
     assert x.dtype == w.dtype == jnp.bfloat16
     fn = functools.partial(grouped_matmul_mgpu, interpret=INTERPRET, **blocks)
     got = np.asarray(run_kernel(fn, x, w, sizes).astype(jnp.float32))
-    want = np.asarray(kernels._grouped_matmul_xla(x, w, sizes).astype(jnp.float32))
+    want = np.asarray(kernels_xla.grouped_matmul(x, w, sizes).astype(jnp.float32))
     assert got.shape == want.shape and not np.isnan(got).any()
     assert _rel(got, want) < 1e-2
     np.testing.assert_array_equal(got[m - pad:], 0.0)   # rows past sum(group_sizes)
@@ -124,7 +123,7 @@ def test_grouped_matmul_fp32_falls_back_to_reference():
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
     assert pallas_kernels(grouped_matmul_mgpu, x, w, sizes) == []
     got = grouped_matmul_mgpu(x, w, sizes)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels._grouped_matmul_xla(x, w, sizes)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels_xla.grouped_matmul(x, w, sizes)))
 
 
 def _sparse(seed, b, s, h, d, wk, n, k, dtype=jnp.bfloat16, mask_split=False):
@@ -151,7 +150,7 @@ def test_sparse_attention_interpret(shape, splits):
     assert args[0].dtype == args[1].dtype == args[3].dtype == jnp.bfloat16
     fn = functools.partial(sparse_attention_mgpu, interpret=INTERPRET, splits=splits)
     got = np.asarray(run_kernel(fn, *args).astype(jnp.float32))
-    want = np.asarray(kernels._sparse_attention_xla(*args).astype(jnp.float32))
+    want = np.asarray(kernels_xla.sparse_attention(*args).astype(jnp.float32))
     assert got.shape == want.shape and not np.isnan(got).any()
     assert _rel(got, want) < 1e-2
 
@@ -160,7 +159,7 @@ def test_sparse_attention_unsupported_falls_back():
     args = _sparse(3, 1, 1, 4, 64, 8, 10, 6, dtype=jnp.float32)   # fp32, H=4, d=64
     assert pallas_kernels(sparse_attention_mgpu, *args) == []
     got = sparse_attention_mgpu(*args)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels._sparse_attention_xla(*args)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels_xla.sparse_attention(*args)))
 
 
 def test_kernels_lower_for_cuda():

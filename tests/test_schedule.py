@@ -1,4 +1,4 @@
-"""Verify-length scheduling (deepinfer_fn/speculative/schedule.py, spec/dspark.md §3, §1.5, §2.5).
+"""Verify-length scheduling (deepinfer_fn/speculative/schedule.py, docs/MODEL.md §D3, §1.5, §2.5).
 
 Model-free and fast:
 * padded scheduler: flat cost -> verify everything; steep cost -> shorter; shorter as load

@@ -166,10 +166,10 @@ def _check_state(m: Matcher, lt, rng: random.Random) -> np.ndarray:
     special = [v for v in range(m._tok_vocab) if lt.is_special_token(v)]
     allowed = np.flatnonzero(mask).tolist()
     for v in rng.sample(allowed, min(48, len(allowed))):
-        c = m._copy()
+        c = m.copy()
         assert c.consume(v), (v, c.error)
     for v in special + list(range(m._tok_vocab, m.vocab_size)):
-        c = m._copy()
+        c = m.copy()
         assert c.consume(v) == bool(mask[v]) == _expected(m, lt, v), (v, c.error)
     return mask
 
@@ -236,6 +236,61 @@ def test_mask_failure_ends_the_row_with_a_clear_status(tok):
         out = np.full((structured.mask_words(tok.vocab_size),), 7, np.uint32)
         matchers[0].fill_mask(out)
         assert not out.any()
+
+
+def test_fill_masks_equals_each_matchers_own_mask(tok, small_tok):
+    """The batched mask fill (one parallel llguidance call for the grammar rows) writes, into
+    the rows given, exactly what each matcher computes alone; a thinking row, a finished row,
+    a matcher of another tokenizer and a failing one are mixed in."""
+    think = JsonSchema({"type": "integer"}, think_first=True)
+    specs = [JsonSchema(PERSON), Regex(r"[0-9]{2,4}"), Grammar(ARITHMETIC), think, Regex("ab")]
+    V = tok.vocab_size + EXTRA_IDS
+    matchers = [Matcher(c, tok, V) for c in specs]
+    fuel = JsonSchema({"type": "object", "properties": {"a": {"type": "string"}}})
+    matchers.append(Matcher(fuel, tok, V, limits={"step_lexer_fuel": 10}))
+    assert matchers[4].consume_many(tok.encode("ab")) == len(tok.encode("ab"))
+    assert matchers[4].consume(tok.eos_id) and matchers[4].is_finished()
+    assert matchers[5].consume(tok.encode("{")[0])
+    other = Matcher(Regex(r"[0-9]+"), small_tok, V)   # another tokenizer: filled on its own
+    for m in matchers[:3]:
+        assert m.consume(int(np.flatnonzero(_bits(m))[0]))
+    rows = [7, 0, 3, 5, 1, 2, 4]
+    for group in (matchers, matchers + [other]):    # one parallel call; per row (2 tokenizers)
+        group = [m.copy() for m in group]
+        alone = [m.copy() for m in group]
+        want = [a.allowed_mask() for a in alone]
+        out = np.full((8, structured.mask_words(V)), 7, np.uint32)
+        structured.fill_masks(group, out, rows[:len(group)])
+        for k, r in enumerate(rows[:len(group)]):
+            np.testing.assert_array_equal(out[r], want[k], err_msg=f"matcher {k}")
+            assert group[k].status() == alone[k].status()
+        assert (out[6] == 7).all()                      # rows not named are left alone
+    structured.fill_masks(matchers, np.zeros((8, structured.mask_words(V)), np.uint32), rows[:6])
+    assert matchers[5].status().startswith(f"error: {structured.MASK_FAILED}")
+    assert _bits(matchers[3]).sum() == tok.vocab_size - 1    # thinking: all but EOS
+    with pytest.raises(ValueError, match="2 matchers for 1 rows"):
+        structured.fill_masks(matchers[:2], out, [0])
+
+
+def test_host_failure_ends_live_rows_only(tok):
+    """A host callback that fails mid-step ends every live constrained row with the failure's
+    message and all-ones masks; free and already finished rows stay as they were."""
+    seven = tok.encode("7")[0]
+    batch = ConstrainedBatch.build([Regex("[0-9]+"), None, Regex("[0-9]")], 3, tok,
+                                   tok.vocab_size)
+    batch.initial()
+    batch.step(np.asarray([seven, 5, seven]), np.ones((3,), bool))
+    _, finished = batch.step(np.asarray([seven, 5, tok.eos_id]), np.ones((3,), bool))
+    assert finished.tolist() == [False, False, True]
+    sid = structured.register(batch)
+    try:   # no tokens for the batch: the step raises before consuming anything
+        masks, finished = structured.host_step(sid, np.zeros((0,), np.int32), np.ones((3,), bool))
+    finally:
+        structured.unregister(sid)
+    assert (masks == 0xFFFFFFFF).all() and finished.tolist() == [True, False, False]
+    status = batch.statuses()
+    assert status[0].startswith("error: host mask step failed: IndexError"), status
+    assert status[1:] == (None, "complete")
 
 
 def test_a_token_sampled_outside_its_mask_is_reported(tok):

@@ -255,7 +255,7 @@ def test_corpus_random_walks_validate(corpus, compiled, tok):
     for row, m in zip(corpus, compiled):
         if m.error is not None:
             continue
-        m = m._copy()
+        m = m.copy()
         if not _walk(m, closing, rng):
             continue
         ended += 1

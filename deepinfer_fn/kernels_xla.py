@@ -1,0 +1,185 @@
+"""XLA implementations of the kernel ops (`deepinfer_fn.kernels`): the reference every other
+implementation is tested against ("xla", every platform), and `top_k_rows_select` ("xla_select",
+opt-in: a radix select instead of a sort). Each registers itself in `kernel_registry`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn.kernel_registry import register
+from deepinfer_fn.model.common import einsum, linear, matmul_precision, operand_dtype, rms_norm
+from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
+from deepinfer_fn.model.rope import apply_rope, rope_cos_sin
+
+
+@register("grouped_matmul", "xla")
+def grouped_matmul(x, w, group_sizes):
+    """`kernels.grouped_matmul` in XLA: `lax.ragged_dot`, fp32 accumulation."""
+    fed = operand_dtype(w.dtype)
+    y = jax.lax.ragged_dot(x.astype(w.dtype).astype(fed), w.astype(fed), group_sizes.astype(jnp.int32),
+                           precision=matmul_precision(w.dtype),
+                           preferred_element_type=jnp.float32)
+    return y.astype(w.dtype)
+
+
+@register("attention", "xla")
+def attention(q, keys, bias, sinks):
+    """`kernels.attention` in XLA: dense logits, one softmax with the sink column."""
+    d = q.shape[-1]
+    dtype = keys.dtype
+    logits = einsum("bthd,bsd->bhts", q, keys, out_dtype=jnp.float32, dtype=dtype)
+    logits = logits / jnp.sqrt(jnp.float32(d))
+    logits = logits + bias[:, None, :, :]
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], logits.shape[:-1] + (1,))
+    full = jnp.concatenate([logits, sink], axis=-1)
+    probs = jax.nn.softmax(full, axis=-1)[..., :-1]
+    return einsum("bhts,bsd->bthd", probs, keys, out_dtype=dtype, dtype=dtype)
+
+
+@register("sparse_attention", "xla")
+def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks):
+    """`kernels.sparse_attention` in XLA: gathered rows, one softmax over window, rows, sink."""
+    d = q.shape[-1]
+    dtype = window_kv.dtype
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    gathered = jnp.take_along_axis(rows[:, None], jnp.maximum(row_idx, 0)[..., None], axis=2)
+    logits_w = einsum("bshd,bwd->bhsw", q, window_kv, out_dtype=jnp.float32, dtype=dtype) * scale
+    logits_w = logits_w + window_bias[:, None]
+    logits_r = einsum("bshd,bskd->bhsk", q, gathered, out_dtype=jnp.float32, dtype=dtype) * scale
+    logits_r = jnp.where((row_idx >= 0)[:, None], logits_r, -jnp.inf)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], logits_w.shape[:-1] + (1,))
+    probs = jax.nn.softmax(jnp.concatenate([logits_w, logits_r, sink], axis=-1), axis=-1)
+    wk = window_kv.shape[1]
+    out = einsum("bhsw,bwd->bshd", probs[..., :wk], window_kv, out_dtype=jnp.float32, dtype=dtype)
+    out = out + einsum("bhsk,bskd->bshd", probs[..., wk:-1], gathered, out_dtype=jnp.float32,
+                       dtype=dtype)
+    return out.astype(dtype)
+
+
+@register("top_k_rows", "xla")
+def top_k_rows(scores, visible, k):
+    """`kernels.top_k_rows` by `lax.top_k` (indices by decreasing score)."""
+    k = min(k, scores.shape[-1])
+    masked = jnp.where(visible, scores, -jnp.inf)
+    _, idx = jax.lax.top_k(masked, k)
+    return jnp.where(jnp.take_along_axis(visible, idx, axis=-1), idx, -1).astype(jnp.int32)
+
+
+def _sortable_key(x) -> tuple[jax.Array, int]:
+    """Float -> (uint32 key, significant bits): keys compare like the floats' total order."""
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        x = x.astype(jnp.float32)
+    width = 8 * x.dtype.itemsize
+    utype = jnp.uint16 if width == 16 else jnp.uint32
+    bits = jax.lax.bitcast_convert_type(x, utype)
+    sign = utype(1 << (width - 1))
+    key = jnp.where((bits & sign) != 0, ~bits, bits | sign)
+    return key.astype(jnp.uint32), width
+
+
+def _radix_bits(rows: int, n: int) -> int:
+    """Digit width of one selection pass: 8 (fewer passes) while the per-pass compare work
+    rows * n * 2^bits stays small, else 4."""
+    return 8 if rows * n <= 1 << 16 else 4
+
+
+@register("top_k_rows", "xla_select")
+def top_k_rows_select(scores, visible, k, radix_bits: int | None = None):
+    """Radix select on the float bit pattern, no sort. Opt-in (DEEPINFER_KERNELS=
+    top_k_rows=xla_select): it wins over lax.top_k only for few sequences over many rows
+    (benchmarks/topk_compressor.py).
+
+    Each pass fixes the next digit of the k-th largest key T: per row, the count of keys
+    that match the digits fixed so far and have digit >= j, for every j (one fused
+    compare-and-reduce). Then rows with key > T, and the lowest-index `k - #(key > T)` rows
+    with key == T, are compacted in index order (one cumsum, one scatter)."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    lead = scores.shape[:-1]
+    if k == 0:
+        return jnp.zeros(lead + (0,), jnp.int32)
+    key, width = _sortable_key(jnp.where(visible, scores, -jnp.inf))
+    key = key.reshape(-1, n)
+    vis = visible.reshape(-1, n)
+    rows = key.shape[0]
+    bits = radix_bits or _radix_bits(rows, n)
+    prefix = jnp.zeros((rows, 1), jnp.uint32)   # digits of T fixed so far
+    above = jnp.zeros((rows, 1), jnp.int32)     # keys above every key with that prefix
+    done = 0
+    while done < width:
+        b = min(bits, width - done)
+        shift = width - done - b
+        digit = (key >> shift) & jnp.uint32((1 << b) - 1)
+        j = jnp.arange(1 << b, dtype=jnp.uint32)
+        ge = digit[:, None, :] >= j[None, :, None]                  # [rows, 2^b, n]
+        if done:
+            ge &= ((key >> (shift + b)) == prefix)[:, None, :]
+        counts = jnp.sum(ge, axis=-1, dtype=jnp.int32)             # [rows, 2^b], non-increasing
+        d = jnp.sum(above + counts >= k, axis=-1, keepdims=True, dtype=jnp.int32) - 1
+        nxt = jnp.take_along_axis(jnp.pad(counts, ((0, 0), (0, 1))), d + 1, axis=-1)
+        above = above + nxt
+        prefix = (prefix << b) | d.astype(jnp.uint32)
+        done += b
+    gt, eq = key > prefix, key == prefix
+    need = k - above
+    incl = jnp.cumsum(jnp.stack([gt, eq]).astype(jnp.int32), axis=-1)
+    before_gt, before_eq = incl[0] - gt, incl[1] - eq
+    take = (gt | (eq & (before_eq < need))) & vis
+    pos = jnp.where(take, before_gt + jnp.minimum(before_eq, need), k)
+    out = jnp.full((rows, k), -1, jnp.int32)
+    out = out.at[jnp.arange(rows)[:, None], pos].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (rows, n)), mode="drop")
+    return out.reshape(lead + (k,))
+
+
+@register("mhc_pre", "xla")
+def mhc_pre(streams, fn, base, scale, norm_weight, *, iters, hc_eps, norm_eps):
+    """`kernels.mhc_pre` in XLA (`mhc_math`)."""
+    pre, post, comb = mhc_weights(streams, fn, base, scale, n=streams.shape[-2], iters=iters,
+                                  hc_eps=hc_eps, norm_eps=norm_eps)
+    return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
+
+
+@register("mhc_post", "xla")
+def mhc_post(streams, y, post, comb):
+    """`kernels.mhc_post` in XLA (`mhc_math.expand`)."""
+    return expand(streams, y, post, comb)
+
+
+def compressor_row_finish(p, pooled, position, ratio: int, freqs, eps: float):
+    """pooled [B, d] -> RMSNorm (weight p["norm"]) + compress RoPE at m * (position // m)."""
+    row = rms_norm(pooled, p["norm"], eps, out_dtype=pooled.dtype)
+    cos, sin = rope_cos_sin((position // ratio) * ratio, freqs, row.dtype)
+    return apply_rope(row, cos, sin)
+
+
+@register("compressor_decode", "xla")
+def compressor_decode(x, position, params, rings, ratio, freqs, eps):
+    """`kernels.compressor_decode` in XLA: the window gathered from the ring, softmax pooling."""
+    m = ratio
+    f32 = jnp.float32
+    w0 = position // m
+    out = []
+    for p, (ring_kv, ring_gate) in zip(params, rings):
+        dim, width = p["norm"].shape[0], p["wkv"].shape[1]
+        overlap = width == 2 * dim
+        kappa = linear(x, p["wkv"]).astype(ring_kv.dtype)
+        gate = linear(x, p["wgate"]).astype(f32) + p["ape"].astype(f32)[position % m]
+        win = w0[:, None] + jnp.arange(-1 if overlap else 0, 1)       # [B, c] window numbers
+        pos = win[..., None] * m + jnp.arange(m)                      # [B, c, m]
+        from_ring = (pos < position[:, None, None])[..., None]
+        slot = pos % ring_kv.shape[1]
+        gather = jax.vmap(lambda r, i: r[i])
+        win_kv = jnp.where(from_ring, gather(ring_kv, slot), kappa[:, None, None])
+        win_gate = jnp.where(from_ring, gather(ring_gate, slot), gate[:, None, None])
+        if overlap:   # A-halves of window w-1 (none before position 0), B-halves of window w
+            a_gate = jnp.where((win[:, 0] >= 0)[:, None, None], win_gate[:, 0, :, :dim], -jnp.inf)
+            kv = jnp.concatenate([win_kv[:, 0, :, :dim], win_kv[:, 1, :, dim:]], axis=1)
+            g = jnp.concatenate([a_gate, win_gate[:, 1, :, dim:]], axis=1)
+        else:
+            kv, g = win_kv[:, 0], win_gate[:, 0]
+        weights = jax.nn.softmax(g, axis=1).astype(kv.dtype)
+        pooled = jnp.sum(weights.astype(f32) * kv.astype(f32), axis=1).astype(kv.dtype)
+        out.append((kappa, gate, compressor_row_finish(p, pooled, position, m, freqs, eps)))
+    return tuple(out)
