@@ -2,7 +2,7 @@
 
 For each (batch, context): a decode state filled to `context` tokens (random contents: decode
 cost does not depend on the values), then `steps` greedy decode steps inside the same jitted
-while-loop `generate` uses (`deepinfer_fn.generate._decode_block`). Reported per step: time,
+while-loop `generate` uses (`deepinfer_fn.generate.decode_block`). Reported per step: time,
 tokens/s, the bytes that must move (weights read once per step: dense weights + the routed
 experts the batch touches in expectation; state read: window rings, CSA selected rows and all
 indexer rows, HCA rows, compressor buffers) and roofline time = bytes / HBM bandwidth measured
@@ -31,7 +31,7 @@ import numpy as np
 import deepinfer_fn as di
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, SWA
-from deepinfer_fn.generate import _decode_block, stop_array
+from deepinfer_fn.generate import decode_block, stop_array
 from deepinfer_fn.params import Params, is_spec, leaf_dtype, param_specs
 from deepinfer_fn.sampling import sampling_params
 from deepinfer_fn.state import init_state
@@ -133,7 +133,7 @@ def bench_point(params, batch, context, steps, reps):
     done = jnp.zeros((batch,), bool)
     sp = sampling_params(batch)
     pad = jnp.int32(0)
-    run = lambda st, lg: _decode_block(params, st, lg, done, sp, pad, n=steps, stops=stop_array(()),
+    run = lambda st, lg: decode_block(params, st, lg, done, sp, pad, n=steps, stops=stop_array(()),
                                        feed_last=True)
     t0 = time.perf_counter()
     out = run(state, logits)

@@ -55,10 +55,10 @@ def main():
     jax.block_until_ready(token)
     eager_ms = (time.perf_counter() - t0) / args.steps * 1e3
 
-    from deepinfer_fn.generate import _decode_block, stop_array
+    from deepinfer_fn.generate import decode_block, stop_array
     from deepinfer_fn.sampling import sampling_params
     logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-    run = lambda st, lg: _decode_block(params, st, lg, jnp.zeros((B,), bool), sampling_params(B),
+    run = lambda st, lg: decode_block(params, st, lg, jnp.zeros((B,), bool), sampling_params(B),
                                        jnp.int32(0), n=args.steps, stops=stop_array(()), feed_last=True)
     out = run(state, logits)
     jax.block_until_ready(out)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import deepinfer_fn as di
 from benchmarks.decode import device_params, filled_state
-from deepinfer_fn.generate import _decode_block, stop_array
+from deepinfer_fn.generate import decode_block, stop_array
 from deepinfer_fn.sampling import sampling_params
 
 KINDS = (("gemm", ("gemm", "cublas", "cutlass", "sm90_xmma", "matmul", "dot")),
@@ -105,14 +105,14 @@ def main():
     sampling, pad, stops = sampling_params(B), jnp.int32(0), stop_array(())
 
     def run(state, logits):
-        out = _decode_block(params, state, logits, done, sampling, pad, n=args.steps,
+        out = decode_block(params, state, logits, done, sampling, pad, n=args.steps,
                             stops=stops, feed_last=True)
         jax.block_until_ready(out)
         return out
 
     state = filled_state(cfg, B, args.context, dtype)
     if args.hlo_out:  # the same program: its fusion names are the kernel names in the trace
-        text = _decode_block.lower(params, state, logits, done, sampling, pad, n=args.steps,
+        text = decode_block.lower(params, state, logits, done, sampling, pad, n=args.steps,
                                    stops=stops, feed_last=True).compile().as_text()
         opener = gzip.open if args.hlo_out.endswith(".gz") else open
         with opener(args.hlo_out, "wt") as f:

@@ -1,4 +1,4 @@
-"""Public entry points with input checks at the boundary (DESIGN.md "Public API")."""
+"""Public entry points with input checks at the boundary (docs/ARCHITECTURE.md "Public API")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DSpark drafter and generate(speculative="dspark") (spec/dspark.md §1, §2, §6.2).
+"""DSpark drafter and generate(speculative="dspark") (docs/MODEL.md §D1, §2, §6.2).
 
 * forward_chunk taps: the hc-averaged residual at a layer's input / output equals the
   no-cache backbone's, chunked or not;

@@ -1,4 +1,4 @@
-"""The offline engine (issue 5): many requests, continuous batching, paged state, prefix cache
+"""The offline engine: many requests, continuous batching, paged state, prefix cache
 with SWA bounded replay, asynchronous scheduling, metrics, progress.
 
     engine = Engine(params, max_batch=16, max_tokens_per_step=512)
@@ -22,7 +22,7 @@ Prefix cache (`prefix_cache=True`): full prompt blocks are inserted into a radix
 the step that completes them is dispatched; an admitted request sharing a cached prefix of h
 tokens (page-aligned) reuses those pages and rebuilds its window ring and compressor rings by
 replaying the `replay_tokens` (R, default 128) tokens before h with the shared rows kept
-(spec/model.md §7, "bounded replay"; approximate: replayed positions see a truncated window).
+(docs/MODEL.md §7, "bounded replay"; approximate: replayed positions see a truncated window).
 `replay_tokens=None` is the exact mode: the replay starts at position 0 (identical tokens to no
 cache; only the row pool is shared, no prefill saved).
 
@@ -30,7 +30,7 @@ Design notes / deviations from the suggested design:
 * Exact mode recomputes from position 0 instead of restoring a stored window snapshot at the
   page boundary: no extra per-block storage (the ~45 KB/token the architecture avoids, §7).
 * Rows written after a bounded-replay hit (and cached in turn) inherit its approximation (the
-  "leak" of spec/model-v41.md §4.3); a preempted request resumes through the cache too, so with
+  "leak" of docs/MODEL.md §V4.3); a preempted request resumes through the cache too, so with
   the cache on and sequences longer than R its continuation is approximate. Use
   `replay_tokens=None` or `prefix_cache=False` for exactness.
 * A step is two device calls (prefill, decode), not one fused program: compiled shapes grow as
@@ -56,7 +56,7 @@ the constraint completes (EOS consumed, finish_reason "stop"); `RequestOutput.co
 is "complete" / "incomplete" (max_new_tokens or a stop token came first) / "error".
 
 Speculative decoding (`Engine(..., speculative="dspark", drafter=d)` or `speculative="mtp",
-num_draft_tokens=k`; spec/dspark.md §2-§4): every decode sub-batch is ONE jitted device call
+num_draft_tokens=k`; docs/MODEL.md §D2-§4): every decode sub-batch is ONE jitted device call
 (`spec_step.spec_decode_packed`) that drafts (DSpark block of γ from the slot's context rings, or
 the MTP chain of k), picks each row's verify length (verify_len "fixed": every draft the row's
 budget allows, min(γ, left - 1), so the device never emits past max_new_tokens; "dynamic":
@@ -107,16 +107,19 @@ import numpy as np
 from deepinfer_fn.compile_cache import Job, precompile
 from deepinfer_fn.config import CSA, HCA
 from deepinfer_fn.engine.pages import PageAllocator
-from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state, init_spec_state
+from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state
 from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
 from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, bucket,
                                             buckets_up_to)
-from deepinfer_fn.engine.spec_step import schedule_args, spec_decode_packed, spec_prefill_packed
+from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_decode_packed,
+                                           spec_prefill_packed)
 from deepinfer_fn.engine.step import forward_packed, sample_packed, substep_packed
+from deepinfer_fn import bundle
 from deepinfer_fn.params import Params, count_params
-from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
+from deepinfer_fn.speculative import registry
+from deepinfer_fn.errors import ArgumentError
 from deepinfer_fn.validate import boolean, non_negative_int, one_of, positive_int
 
 
@@ -157,7 +160,7 @@ class RunMetrics:
     idle_total_s: float = float("nan")
     idle_mean_s: float = float("nan")
     idle_steps_measured: int = 0
-    # speculative engines (spec/dspark.md §4.1; NaN / 0 otherwise): spec_row_steps = verify
+    # speculative engines (docs/MODEL.md §D4.1; NaN / 0 otherwise): spec_row_steps = verify
     # steps summed over rows; spec_verified / spec_accepted = drafts verified / accepted in
     # them; spec_committed = tokens they committed (g + 1 each, the bonus included, before the
     # host's truncation at a stop token); mean_verify_len = spec_verified / spec_row_steps;
@@ -217,26 +220,6 @@ class _IdleWatcher:
         return total, n
 
 
-def _ll_masks(live):
-    """The llguidance masks of [(row, Matcher)] in one parallel call (llguidance's executor,
-    as structured.ConstrainedBatch) when there are several; per row: the packed mask, or None
-    (the matcher computes its own: thinking, or a single row)."""
-    from deepinfer_fn import structured
-    ll = [(i, m) for i, m in live if m._ll is not None and not m.thinking]
-    out = [None] * len(live)
-    if len(ll) < 2 or len({m._ll_words for _, m in ll}) != 1:
-        return out
-    scratch = np.zeros((len(ll), ll[0][1]._ll_words), np.uint32)
-    structured._executor().unsafe_compute_mask_ptr(
-        [(m._ll, k) for k, (_, m) in enumerate(ll)], scratch.ctypes.data,
-        scratch.shape[1] * 4, scratch.shape[0])
-    pos = {i: k for k, (i, _) in enumerate(ll)}
-    for j, (i, m) in enumerate(live):
-        if i in pos:  # Matcher.fill_mask turns a failed mask computation into the row's error
-            out[j] = scratch[pos[i]]
-    return out
-
-
 class Engine:
     """Offline engine over `params` (see the module docstring).
 
@@ -253,8 +236,10 @@ class Engine:
     sub-step (`warmup()` compiles them all up front).
     prefix_cache, replay_tokens (None = exact mode): module docstring; async_scheduling: on by
     default; progress: a tqdm bar; measure_idle: record device idle time between steps;
-    tokenizer: the `text.Tokenizer` constraints compile against (default
-    `structured.default_tokenizer()`, loaded at the first constrained request).
+    params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
+    the defaults of `tokenizer=` and `drafter=`.
+    tokenizer: the `text.Tokenizer` constraints compile against (default: the bundle's, else
+    the V4 vocabulary where the model's holds it, loaded at the first constrained request).
 
     speculative: None, "dspark" (drafter: a `speculative.DSpark` for this target, γ its block
     size; num_draft_tokens, if given, must equal γ) or "mtp" (the params' MTP block drafts
@@ -269,7 +254,7 @@ class Engine:
     docstring, "Speculative decoding".
     """
 
-    def __init__(self, params: Params, *, max_batch: int = 16, max_tokens_per_step: int = 512,
+    def __init__(self, params: Params | bundle.Model, *, max_batch: int = 16, max_tokens_per_step: int = 512,
                  page_size: int | None = None, max_len: int | None = None,
                  num_pages: int | None = None, prefill_chunk: int | None = None,
                  prefill_shapes=None, decode_buckets=None, prefix_cache: bool = True,
@@ -278,9 +263,9 @@ class Engine:
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
                  verify_cost=None, verify_widths=None):
-        if not isinstance(params, Params):
-            raise ArgumentTypeError(f"params must be deepinfer_fn.Params, got "
-                                    f"{type(params).__name__}")
+        params, drafter, tokenizer = bundle.unpack(params, speculative=speculative,
+                                                   drafter=drafter, tokenizer=tokenizer,
+                                                   where="Engine")
         cfg = params.config
         self.params, self.cfg = params, cfg
         ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
@@ -346,21 +331,18 @@ class Engine:
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
-        self.speculative, self.drafter, self.gamma = speculative, drafter, gamma
+        self.speculative, self.gamma = speculative, gamma
         self._spec_on = bool(gamma)         # False while a speculative engine runs constrained
         self.verify_len = verify_len
-        self._sched_args, self._widths = {}, {}
+        self._verify = {}                   # decode bucket -> (VerifyLen, sched)
         if gamma:
-            self.state = dataclasses.replace(self.state, spec=init_spec_state(
-                cfg, max_batch=max_batch, method=speculative, dtype=params.dtype,
-                drafter=drafter, k=gamma, window_slots=self.state.window_slots))
+            self.state = dataclasses.replace(self.state, spec=init_spec_slots(
+                params, self._kind, self.drafter, max_batch=max_batch,
+                max_len=self.state.max_len, window_slots=self.state.window_slots, k=gamma))
             widths = self._check_widths(verify_widths, gamma)
             for b in decode_buckets:
-                if speculative == "dspark":
-                    self._sched_args[b], self._widths[b] = schedule_args(
-                        drafter, verify_len, verify_cost, b, widths)
-                else:
-                    self._widths[b] = widths or (gamma + 1,)
+                self._verify[b] = schedule_args(self._kind, self.drafter, gamma, verify_len,
+                                                verify_cost, b, widths)
         elif verify_widths is not None:
             raise ArgumentError("verify_widths needs speculative='dspark' or 'mtp'")
         self._active_params = count_params(cfg)["active"]
@@ -383,44 +365,28 @@ class Engine:
         return w
 
     def _check_speculative(self, speculative, drafter, k, verify_len, verify_cost) -> int:
-        """Validates the speculative arguments; returns γ (drafts per step) or 0."""
+        """Validates the speculative arguments (sets the drafter: `self._kind`, its weights
+        `self.drafter`); returns γ (drafts per step) or 0."""
+        self._kind, self.drafter = None, drafter
         if speculative is None:
             if drafter is not None or k is not None or verify_cost is not None:
                 raise ArgumentError("drafter / num_draft_tokens / verify_cost need speculative="
                                  "'dspark' or 'mtp'")
             return 0
         from deepinfer_fn.api import mesh_context
+        from deepinfer_fn.speculative.loop import check_confidence
         if mesh_context(self.params)[0] is not None:
             raise NotImplementedError("a speculative engine on a sharded mesh is not supported yet")
+        kind = registry.get(speculative)
         if verify_len not in ("fixed", "dynamic"):
             raise ArgumentError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
         if verify_len == "fixed" and verify_cost is not None:
             raise ArgumentError("verify_cost is only used with verify_len='dynamic'")
-        if speculative == "dspark":
-            from deepinfer_fn.speculative.dspark import DSpark, check_target
-            if not isinstance(drafter, DSpark):
-                raise ArgumentError("speculative='dspark' needs drafter=<a loaded DSpark drafter>, "
-                                 "e.g. deepinfer_fn.speculative.load_dspark(path, params) (got "
-                                 f"{type(drafter).__name__})")
-            check_target(drafter.config, self.cfg)
-            gamma = drafter.config.block_size
-            if k is not None and k != gamma:
-                raise ArgumentError(f"num_draft_tokens={k!r} but this DSpark drafter has block size "
-                                 f"{gamma}: the draft width is a checkpoint constant")
-            return gamma
-        if speculative != "mtp":
-            raise ArgumentError(f"speculative={speculative!r}: expected None, 'mtp' or 'dspark'")
-        if drafter is not None:
-            raise ArgumentError("drafter= is only used with speculative='dspark'")
-        if not self.params["mtp"]:
-            raise ArgumentError("speculative='mtp' needs params with an MTP block (these have none)")
-        if verify_len != "fixed" or verify_cost is not None:
-            raise ArgumentError("speculative='mtp' verifies every draft (verify_len='fixed'): "
-                             "the MTP has no confidence head for a dynamic verify length")
-        k = 3 if k is None else k
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ArgumentError(f"num_draft_tokens must be a positive int, got {k!r}")
-        return int(k)
+        self.drafter, k = kind.resolve(self.params, drafter, k)
+        if verify_len == "dynamic":
+            check_confidence(kind)
+        self._kind = kind
+        return k
 
     # ------------------------------------------------------------------ public
     def generate(self, requests: Iterable, *, max_new_tokens: int = 16) -> list[RequestOutput]:
@@ -534,7 +500,7 @@ class Engine:
                     # running can never run.
                     stall += 1
                     if stall > 1 and not sched.running:
-                        sched._finish(sched.waiting.popleft(), "error")
+                        sched.finish(sched.waiting.popleft(), "error")
             yield from self._drain_finished(emitted, bar)
         finally:
             with self._cancel_lock:         # the run's cancels end with it
@@ -578,7 +544,7 @@ class Engine:
         from deepinfer_fn import structured
         try:
             if self._tokenizer is None:
-                self._tokenizer = structured.default_tokenizer()
+                self._tokenizer = bundle.constraint_tokenizer(self.params, where="Engine")
             m = structured.Matcher(constraint, self._tokenizer, self.cfg.vocab_size)
             if m.error is None:
                 m.allowed_mask()            # sets m.error when nothing is allowed
@@ -611,8 +577,8 @@ class Engine:
                     continue
                 assert seq.in_flight == 1, "a constrained row's earlier tokens must be known"
                 live.append((i, m))
-            for (i, m), ll in zip(live, _ll_masks(live)):
-                m.fill_mask(masks[i], ll)
+            structured.fill_masks([m for _, m in live], masks, [i for i, _ in live])
+            for i, m in live:
                 if m.error is not None:
                     masks[i] = 0xFFFFFFFF
                     failed.append(rows[i].seq)
@@ -621,7 +587,7 @@ class Engine:
             entry[1], entry[2], entry[3] = out, None, None
         for seq in failed:
             if seq.finish is None:
-                self.scheduler._finish(seq, "error")
+                self.scheduler.finish(seq, "error")
         if watcher is not None and self._watch is not None:
             watcher.q.put(([e[1] for e in outs],) + self._watch)
         self._watch = None
@@ -646,14 +612,10 @@ class Engine:
         outs, t_issue = [], None
         for rows, packed, is_decode in calls:
             if self._spec_on and is_decode:
-                self.state, out = spec_decode_packed(
-                    self.params, self.drafter, self.state, packed,
-                    self._sched_args.get(packed.shape[0]), method=self.speculative,
-                    k=self.gamma, widths=self._widths[packed.shape[0]])
+                self.state, out = self._spec_decode(packed)
                 outs.append([rows, out, None, None, "spec"])
             elif self._spec_on:
-                self.state, out = spec_prefill_packed(self.params, self.drafter, self.state,
-                                                      packed, method=self.speculative)
+                self.state, out = self._spec_prefill(packed)
                 outs.append([rows, out, None, None])
             elif any(row.samples and row.seq.matcher is not None for row in rows):
                 self.state, logits = forward_packed(self.params, self.state, packed)
@@ -769,11 +731,22 @@ class Engine:
         if not self.gamma:
             return Job(substep_packed, (self.params, self.state, packed))
         if width is None:
-            return Job(spec_decode_packed, (self.params, self.drafter, self.state, packed,
-                                            self._sched_args.get(n)),
-                       dict(method=self.speculative, k=self.gamma, widths=self._widths[n]))
+            verify_len, sched = self._verify[n]
+            return Job(spec_decode_packed, (self.params, self.drafter, self.state, packed, sched),
+                       dict(drafter=self._kind, k=self.gamma, verify_len=verify_len))
         return Job(spec_prefill_packed, (self.params, self.drafter, self.state, packed),
-                   dict(method=self.speculative))
+                   dict(drafter=self._kind, k=self.gamma))
+
+    def _spec_decode(self, packed):
+        """A speculative decode sub-batch (`spec_step.spec_decode_packed`): (state, out)."""
+        verify_len, sched = self._verify[packed.shape[0]]
+        return spec_decode_packed(self.params, self.drafter, self.state, packed, sched,
+                                  drafter=self._kind, k=self.gamma, verify_len=verify_len)
+
+    def _spec_prefill(self, packed):
+        """A speculative prefill sub-batch (`spec_step.spec_prefill_packed`): (state, out)."""
+        return spec_prefill_packed(self.params, self.drafter, self.state, packed,
+                                   drafter=self._kind, k=self.gamma)
 
     def warmup(self, threads: int | None = None) -> float:
         """Compiles every sub-step shape (prefill and decode buckets) in parallel threads
@@ -787,12 +760,9 @@ class Engine:
             if not self.gamma:
                 self.state, _ = substep_packed(self.params, self.state, packed)
             elif width is None:
-                self.state, _ = spec_decode_packed(
-                    self.params, self.drafter, self.state, packed, self._sched_args.get(n),
-                    method=self.speculative, k=self.gamma, widths=self._widths[n])
+                self.state, _ = self._spec_decode(packed)
             else:
-                self.state, _ = spec_prefill_packed(self.params, self.drafter, self.state,
-                                                    packed, method=self.speculative)
+                self.state, _ = self._spec_prefill(packed)
             self._shapes_seen.add((n, width))
         jax.block_until_ready(self.state)
         return time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Device state of the engine: per-slot rings plus paged pools of compressed rows.
 
-The decode state of spec/model.md §3 splits in two (spec §7):
+The decode state of docs/MODEL.md §3 splits in two (§7):
 
 * per slot (one running request), fixed size: the window KV ring (`window_kv`, `window_pos`)
   and the compressor rings (`raw_kv`, `raw_gate`, and the indexer's `index_raw_*`) of every
@@ -20,12 +20,11 @@ group's leaves the leading axis is the group's repeats (slot axis 1, page axis 1
 have to come back from the host (asynchronous scheduling).
 
 `spec` (speculative engines only, else {}): the per-slot speculative state, gathered and
-scattered by slot like the rings (`init_spec_state`): the committed length `length` (= the
-anchor's position; a verify step advances it by 1..γ+1, known only on device), the token budget
-`left` (tokens the request may still emit), the request-local verify-step counter `step` (the
-counter-based draft/accept keys), and the drafter's own per-slot state: DSpark's per-stage
-context rings (`draft`), or the MTP's window ring (`mtp`) plus its pending catch-up inputs
-(`pend_streams` [max_batch, k+1, n, D], `pend_ids` [max_batch, k+1], `pend_n`).
+scattered by slot like the rings (`engine.spec_step.init_spec_slots`): the committed length
+`length` (= the anchor's position; a verify step advances it by 1..γ+1, known only on device),
+the token budget `left` (tokens the request may still emit), the request-local verify-step
+counter `step` (the counter-based draft/accept keys), and `drafter`, the drafter's own per-row
+state (any pytree with the batch axis leading; `speculative.drafter.Drafter.init_state`).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.layer_groups import LayerStack
-from deepinfer_fn.state import layer_state_shapes, state_shapes
+from deepinfer_fn.state import state_shapes
 
 POOL_KEYS = ("rows", "index_rows")
 
@@ -105,29 +104,3 @@ def pool_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
             d = cfg.head_dim + (cfg.index_head_dim if lt == CSA else 0)
             total += page_size // m * d * jnp.dtype(dtype).itemsize
     return total
-
-
-def init_spec_state(cfg: ModelConfig, *, max_batch: int, method: str, dtype, drafter=None,
-                    k: int | None = None, window_slots: int | None = None) -> dict:
-    """The `PagedState.spec` dict of a speculative engine (module docstring): zero counters,
-    empty drafter rings (window_pos = -1). method "dspark": per-stage context rings of the
-    drafter's window; "mtp": the MTP window ring (`window_slots` slots) and its pending inputs
-    for k drafts."""
-    zeros = lambda: jnp.zeros((max_batch,), jnp.int32)
-    out = {"length": zeros(), "left": zeros(), "step": zeros()}
-
-    def ring(slots):
-        shapes = layer_state_shapes(cfg, "sliding_attention", max_batch, 1, slots, dtype)
-        return {"window_kv": jnp.zeros(shapes["window_kv"].shape, dtype),
-                "window_pos": jnp.full(shapes["window_pos"].shape, -1, jnp.int32)}
-
-    if method == "dspark":
-        out["draft"] = tuple(ring(drafter.config.window) for _ in range(drafter.config.num_stages))
-    elif method == "mtp":
-        out["mtp"] = ring(window_slots or cfg.sliding_window)
-        out["pend_streams"] = jnp.zeros((max_batch, k + 1, cfg.hc_mult, cfg.hidden_size), dtype)
-        out["pend_ids"] = jnp.zeros((max_batch, k + 1), jnp.int32)
-        out["pend_n"] = zeros()
-    else:
-        raise ValueError(f"unknown speculative method {method!r}")
-    return out

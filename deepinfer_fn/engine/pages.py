@@ -1,4 +1,4 @@
-"""Host page allocator with reference counts (issue 5, paged state).
+"""Host page allocator with reference counts (the paged state's pages).
 
 Page ids index the device pools of compressed rows (`paged_state.PagedState.pools`). Page 0
 is the null page: never handed out, never written; unused block-table entries point at it

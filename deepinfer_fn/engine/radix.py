@@ -1,8 +1,8 @@
-"""Prefix cache: a radix tree over page-sized token blocks (issue 5, "Must have" 3).
+"""Prefix cache: a radix tree over page-sized token blocks.
 
 Each node is one block of `page_size` tokens (the edge label) and owns a reference to the
 page holding the compressed rows (CSA main + indexer rows, HCA rows) of exactly those token
-positions. Rows of a block depend only on the tokens up to the block's end (spec/model.md
+positions. Rows of a block depend only on the tokens up to the block's end (docs/MODEL.md
 §7), so the path from the root names them completely. A request whose prompt starts with a
 cached path shares those pages (refcount) instead of recomputing them; the sliding-window
 state is not cached (it is rebuilt by replay, `scheduler.py`).

@@ -1,4 +1,4 @@
-"""How approximate SWA bounded replay is (issue 5, "Must have" 3; spec/model.md §7).
+"""How approximate SWA bounded replay is (docs/MODEL.md §7).
 
 On a prefix-cache hit at h the engine keeps the cached compressed rows of positions < h and
 rebuilds the sliding-window ring and compressor rings by replaying only the R tokens
@@ -10,8 +10,8 @@ last prompt token and of a teacher-forced continuation.
 Why it is approximate: replayed position h-R+k sees k+1 window keys instead of W in every
 layer (layer 0's KV stays exact); the error is confined to the window branch (the rows are
 exact) and decays as the continuation moves past h: the dependency cone grows by W-1
-positions per layer, so positions >= h - R + L (W - 1) are exact again (spec/model-v41.md
-§4.4, here with all L layers in the cone). R >= h is exact.
+positions per layer, so positions >= h - R + L (W - 1) are exact again (all L layers are
+in the cone). R >= h is exact.
 """
 
 from __future__ import annotations

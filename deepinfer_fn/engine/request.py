@@ -1,4 +1,4 @@
-"""Requests and their outputs (issue 5, "Must have" 1 and 5).
+"""Requests and their outputs.
 
 A `Request` is one prompt with its own sampling parameters and stop conditions; the engine
 returns one `RequestOutput` per request, in submission order. Validation happens on the host

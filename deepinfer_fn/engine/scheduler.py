@@ -156,7 +156,7 @@ class Scheduler:
         self.cache_hit_tokens = 0
         self.prefill_tokens = 0               # computed prefill positions (replay included)
         self.finished: list[Seq] = []         # finished since the last drain
-        # speculative statistics (spec/dspark.md §4.1): applied verify steps over rows, drafts
+        # speculative statistics (docs/MODEL.md §D4.1): applied verify steps over rows, drafts
         # verified / accepted in them, tokens they committed (g + 1 each, bonus included)
         self.spec_row_steps = self.spec_verified = self.spec_accepted = self.spec_committed = 0
 
@@ -171,12 +171,12 @@ class Scheduler:
         for seq in list(self.waiting):
             if seq.req.request_id in request_ids:
                 self.waiting.remove(seq)
-                self._finish(seq, "cancelled")
+                self.finish(seq, "cancelled")
         for seq in list(self.running):
             if seq.req.request_id in request_ids and seq.finish is None:
-                self._finish(seq, "cancelled")
+                self.finish(seq, "cancelled")
 
-    def _finish(self, seq: Seq, reason: str) -> None:
+    def finish(self, seq: Seq, reason: str) -> None:
         seq.finish = reason
         if seq in self.running:
             self._release(seq, cache_blocks=reason != "cancelled")
@@ -376,12 +376,12 @@ class Scheduler:
             if seq.matcher is not None:      # drawn under its mask: accepted (EOS only when
                 seq.matcher.consume(tok)     # the text matches); EOS ends the constraint
                 if seq.matcher.is_finished():
-                    self._finish(seq, "error" if seq.matcher.error else "stop")
+                    self.finish(seq, "error" if seq.matcher.error else "stop")
                     continue
             if tok in seq.stops:
-                self._finish(seq, "stop")
+                self.finish(seq, "stop")
             elif len(seq.generated) >= seq.req.max_new_tokens:
-                self._finish(seq, "length")
+                self.finish(seq, "length")
 
     def commit_spec_results(self, rows: list[Row], out: np.ndarray, now: float) -> None:
         """Applies one speculative decode sub-step's results: out int32 [B, 2K + 4] (K = γ+1)
@@ -413,10 +413,10 @@ class Scheduler:
                 seq.generated.append(tok)
                 seq.logprobs.append(lp)
                 if tok in seq.stops:
-                    self._finish(seq, "stop")
+                    self.finish(seq, "stop")
                     break
                 if len(seq.generated) >= seq.req.max_new_tokens:
-                    self._finish(seq, "length")
+                    self.finish(seq, "length")
                     break
 
     def pack(self, rows: list[Row], n_rows: int, width: int | None) -> np.ndarray:

@@ -1,11 +1,11 @@
-"""The DSpark drafter for V4-shaped targets (spec/dspark.md §1; model-v41.md §5).
+"""The DSpark drafter for V4-shaped targets (docs/MODEL.md §D1; docs/MODEL.md §V5).
 
 One drafting cycle, for a row whose target state holds positions 0..P-1 and whose anchor y_P
 (the last committed token) has not been processed yet:
 
 * Context (§1.2, §1.3). For every committed position t the target exposes the hc-averaged
   residual of `target_layer_ids` (`transformer.forward_chunk(..., taps=...)`, "pre" = layer
-  input as model-v41 §5.2, "post" = layer output); `main_x_t = main_norm(main_proj(f_t))` and
+  input as docs/MODEL.md §V5.2, "post" = layer output); `main_x_t = main_norm(main_proj(f_t))` and
   each stage writes `kv_projection(main_x_t)` (its own wkv / kv_norm, window RoPE at t) into
   its own ring of the last W positions ("KV injection"). The draft state is therefore one
   `DecodeState` with one SWA-shaped layer per stage, advanced by `push` with committed
@@ -20,8 +20,11 @@ One drafting cycle, for a row whose target state holds positions 0..P-1 and whos
 * Markov head (§1.4): z_k = U_k + markov_head · markov_embed[x_{k-1}], x_0 = y_P; x_k is the
   argmax (greedy rows) or a Gumbel-max draw from the request's processed logits with the
   DRAFT key (seed, request-local step, slot k-1) (`mtp.draw`, shared with the MTP drafter).
-* Confidence head (§1.5, model-v41 §5.4): c_k = proj · [h_k ; markov_embed[x_{k-1}]] + bias
+* Confidence head (§1.5, docs/MODEL.md §V5.4): c_k = proj · [h_k ; markov_embed[x_{k-1}]] + bias
   on the pre-norm hidden; returned as logits (STS temperatures are applied by the scheduler).
+
+`DRAFTER` puts the drafter behind the `speculative.drafter.Drafter` interface (its state: the
+context rings; prefill and commit push committed positions' taps, drafting reads them).
 
 `stage_stack` is the one implementation of the backbone; the training script
 (scripts/train_dspark.py) runs it over many anchors at once with a different mask.
@@ -42,15 +45,17 @@ import numpy as np
 
 from deepinfer_fn import kernels
 from deepinfer_fn.config import SCORE_MOE, SWA, ModelConfig
+from deepinfer_fn.errors import ArgumentError
 from deepinfer_fn.model.attention import NEG_INF, kv_projection, output_projection, query_and_kv
 from deepinfer_fn.model.common import linear, rms_norm
 from deepinfer_fn.model.mhc import head_collapse
 from deepinfer_fn.model.moe import moe_layer
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 from deepinfer_fn.model.transformer import sublayer
-from deepinfer_fn.params import (BF16, F32, Spec, _linear, _mhc_specs, _norm, init_tree, is_spec,
+from deepinfer_fn.params import (BF16, F32, Spec, linear_spec, mhc_specs, norm_spec, init_tree, is_spec,
                                  layer_specs, leaf_dtype, normal)
 from deepinfer_fn.sampling import SamplingParams
+from deepinfer_fn.speculative.drafter import Draft, Drafter
 from deepinfer_fn.speculative.mtp import draw
 from deepinfer_fn.state import DecodeState, layer_state_shapes
 
@@ -75,7 +80,7 @@ class DSparkConfig:
     block_size: int = 5                         # dspark_block_size (γ)
     markov_rank: int = 64                       # dspark_markov_rank (r)
     target_layer_ids: tuple[int, ...] = (1, 2, 3)   # dspark_target_layer_ids
-    tap: str = "post"                           # "pre" (model-v41 §5.2) or "post" (§1.2)
+    tap: str = "post"                           # "pre" (docs/MODEL.md §V5.2) or "post" (§1.2)
     noise_token_id: int = 2                     # dspark_noise_token_id
     num_stages: int = 1                         # num_nextn_predict_layers
     n_routed_experts: int = 4
@@ -163,11 +168,11 @@ def dspark_specs(cfg: ModelConfig, dcfg: DSparkConfig) -> dict[str, Any]:
     scfg = stage_config(cfg, dcfg)
     D, V, r, m = cfg.hidden_size, cfg.vocab_size, dcfg.markov_rank, len(dcfg.target_layer_ids)
     return {
-        "main_proj": _linear(m * D, D, "main_proj.weight", BF16, ("tap_embed", "embed")),
-        "main_norm": _norm(D, "main_norm.weight"),
+        "main_proj": linear_spec(m * D, D, "main_proj.weight", BF16, ("tap_embed", "embed")),
+        "main_norm": norm_spec(D, "main_norm.weight"),
         "stages": tuple(layer_specs(scfg, SWA, SCORE_MOE) for _ in range(dcfg.num_stages)),
-        "hc_head": _mhc_specs(scfg, "hc_head", cfg.hc_mult),
-        "norm": _norm(D, "norm.weight"),
+        "hc_head": mhc_specs(scfg, "hc_head", cfg.hc_mult),
+        "norm": norm_spec(D, "norm.weight"),
         "markov_embed": Spec((V, r), ("vocab", "markov"), normal(1.0), "markov_head.embed", BF16),
         "markov_head": Spec((V, r), ("vocab", "markov"), normal(0.01), "markov_head.head", BF16),
         "confidence": Spec((D + r,), ("confidence_in",), normal(0.01), "confidence_head.proj",
@@ -325,7 +330,7 @@ def draft(drafter: DSpark, params, dstate: DecodeState, anchor, sampling: Sampli
     [B,γ,V] (softmax = the distribution each draft was drawn from), conf_logits f32 [B,γ]).
 
     constrain = (masks uint32 [B,W], host): grammar masks inside the Markov pass
-    (deepinfer_fn/structured.py, "speculative decoding"; spec/dspark.md §2.2). Draft k + 1 is
+    (deepinfer_fn/structured.py, "speculative decoding"; docs/MODEL.md §D2.2). Draft k + 1 is
     drawn from the slot's logits under the packed allowed-token mask m_k (m_0 = `masks`, the
     grammar state after the committed tokens), so q_{k+1} is the masked distribution actually
     sampled from; `host(x_{k+1}) -> (m_{k+1} uint32 [B,W], stop bool [B])` advances the
@@ -456,3 +461,58 @@ def default_dspark_path() -> str:
 
 def load_default_dspark(cfg: ModelConfig, dtype=jnp.float32) -> DSpark:
     return load_dspark(default_dspark_path(), cfg, dtype)
+
+
+# ------------------------------------------------------------------------------- the Drafter
+def _resolve(params, weights, num_draft_tokens):
+    if not isinstance(weights, DSpark):
+        raise ArgumentError("speculative='dspark' needs drafter=<a loaded DSpark drafter>, e.g. "
+                            "deepinfer_fn.speculative.load_dspark(path, params) (got "
+                            f"{type(weights).__name__})")
+    check_target(weights.config, params.config)
+    gamma = weights.config.block_size
+    if num_draft_tokens is not None and num_draft_tokens != gamma:
+        raise ArgumentError(f"num_draft_tokens={num_draft_tokens!r} but this DSpark drafter has "
+                            f"block size {gamma}: the draft width is a checkpoint constant "
+                            f"(docs/MODEL.md §D1.1); leave num_draft_tokens unset (verify_len "
+                            f"picks how many to verify)")
+    return weights, gamma
+
+
+def _taps(weights: DSpark) -> dict:
+    return dict(taps=weights.config.target_layer_ids, tap=weights.config.tap)
+
+
+def _init_state(params, weights: DSpark, batch: int, max_len: int, *, window_slots: int, k: int,
+                dtype) -> DecodeState:
+    return init_draft_state(params.config, weights.config, batch, max_len, dtype=dtype)
+
+
+def _prefill(params, weights: DSpark, dstate, lengths, feats, ids, n_new, next_ids, n_next):
+    """The chunk's tapped features join the context rings (every prefill chunk, §1.2)."""
+    return push(weights, params.config, dataclasses.replace(dstate, lengths=lengths), feats.taps,
+                n_new)
+
+
+def _draft(params, weights: DSpark, dstate, anchor, lengths, sampling, step, active, k: int,
+           constrain=None):
+    out = draft(weights, params, dataclasses.replace(dstate, lengths=lengths), anchor, sampling,
+                step, constrain=constrain)
+    return Draft(out[0], out[1], out[2], dstate, *out[3:])
+
+
+def _commit(params, weights: DSpark, dstate, feats, tokens, n_emit, lengths, active):
+    """The committed positions' features (anchor + accepted drafts) join the context, so it
+    only ever holds committed positions (§2.7: no rollback)."""
+    return push(weights, params.config, dataclasses.replace(dstate, lengths=lengths), feats.taps,
+                n_emit)
+
+
+def _sts_temperatures(weights: DSpark):
+    return weights.sts_temperatures.astype(jnp.float32)
+
+
+# DSpark as a `Drafter`: `weights` is the `DSpark` (config + weights + STS temperatures).
+DRAFTER = Drafter(name="dspark", resolve=_resolve, taps=_taps, init_state=_init_state,
+                  prefill=_prefill, draft=_draft, commit=_commit, confidence=True,
+                  sts_temperatures=_sts_temperatures)

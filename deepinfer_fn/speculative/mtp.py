@@ -1,4 +1,4 @@
-"""The V4 MTP block as a drafter, with its own decode state (spec/model.md §2.11).
+"""The V4 MTP block as a drafter, with its own decode state (docs/MODEL.md §2.11).
 
 The MTP block at position i reads the backbone's final residual streams at i and the token at
 i+1 and predicts the token at i+2. Its body is one V4 block with sliding-window attention and
@@ -28,7 +28,12 @@ anchor y_L (committed, not processed yet):
 Draft tokens are drawn from q = `sampling.probabilities(logits)` (the request's own
 temperature / top-k / top-p / min-p applied to the MTP logits; greedy rows take the argmax)
 with Gumbel-max noise from request_key(seed, step=s, role=DRAFT, slot=j): the request-local
-step counter, never the position alone (spec/dspark.md §2.5, §5.2).
+step counter, never the position alone (docs/MODEL.md §D2.5, §5.2).
+
+`DRAFTER` puts this behind the `speculative.drafter.Drafter` interface: its per-row state
+`MTPState` is the window ring plus the pending catch-up input (the committed positions of the
+last step, or the prompt's last position after the prefill), so one `speculative_step` drives
+it in `generate` and in the engine.
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_fn.config import SCORE_MOE, SWA
+from deepinfer_fn.errors import ArgumentError
 from deepinfer_fn.model.cached import attention_chunk
 from deepinfer_fn.model.common import linear, rms_norm
 from deepinfer_fn.model.moe import moe_layer
 from deepinfer_fn.model.transformer import head_logits, sublayer
 from deepinfer_fn.sampling import Role, SamplingParams, filter_logits, gumbel_noise, request_key
+from deepinfer_fn.speculative.drafter import Draft, Drafter
 from deepinfer_fn.state import DecodeState, layer_state_shapes
 
 
@@ -161,3 +169,105 @@ def draft(params, mstate: DecodeState, streams, next_ids, n_new, k: int,
     masks = jnp.concatenate([m0[:, None], m1[:, None], jnp.moveaxis(ms, 0, 1)], axis=1)
     stop = jnp.concatenate([stop1[:, None], stops.T], axis=1)
     return drafts, q, mst, masks, stop
+
+
+# ------------------------------------------------------------------------------- the Drafter
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPState:
+    """The MTP drafter's per-row state: its window ring (`ring`, a one-layer `DecodeState`
+    whose lengths are re-derived from the target's at every use) and the pending catch-up
+    input: the backbone streams [B,k+1,n,D] of the committed positions it has not processed
+    yet, the tokens after them [B,k+1] (the last one is the anchor, filled in at draft time)
+    and their count n [B] (the ring holds positions 0..P-n-1 for a target length P)."""
+
+    ring: DecodeState
+    streams: jax.Array
+    ids: jax.Array
+    n: jax.Array
+
+
+def _resolve(params, weights, num_draft_tokens):
+    if weights is not None:
+        raise ArgumentError("drafter= is only used with speculative='dspark'")
+    k = 3 if num_draft_tokens is None else num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ArgumentError(f"num_draft_tokens must be a positive int, got {k!r}")
+    if not params["mtp"]:
+        raise ArgumentError("speculative='mtp' needs params with an MTP block (these have none)")
+    return None, int(k)
+
+
+def _init_state(params, weights, batch: int, max_len: int, *, window_slots: int, k: int,
+                dtype) -> MTPState:
+    cfg = params.config
+    return MTPState(init_mtp_state(cfg, batch, max_len, window_slots=window_slots, dtype=dtype),
+                    jnp.zeros((batch, k + 1, cfg.hc_mult, cfg.hidden_size), dtype),
+                    jnp.zeros((batch, k + 1), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+
+def _ring_at(state: MTPState, lengths) -> DecodeState:
+    return dataclasses.replace(state.ring, lengths=lengths - state.n)
+
+
+def _prefill(params, weights, state: MTPState, lengths, feats, ids, n_new, next_ids, n_next):
+    """The MTP over the chunk's positions whose next token is known; the others stay pending.
+    With next_ids (the caller knows the continuation) the chunk's first n_next positions run
+    with those tokens (no position is pending before the chunk). Without, a position's next
+    token is the chunk's next one: the pending position before the chunk (at most one) and
+    all but the chunk's last run, and the last one becomes pending."""
+    streams = feats.streams
+    S = ids.shape[1]
+    last = jnp.clip(n_new - 1, 0, S - 1)
+    last_streams = jnp.take_along_axis(streams, last[:, None, None, None], 1)[:, 0]
+    ring = _ring_at(state, lengths)
+    if next_ids is not None:
+        _, ring, _ = mtp_chunk(params, ring, streams, next_ids, n_next)
+        pend_here = n_new > n_next
+        pend_n = jnp.where(n_new > 0, n_new - n_next, state.n)
+    else:
+        pend_n = state.n
+        pend = state.streams[:, :1].astype(streams.dtype)
+        both = jnp.concatenate([pend, streams], axis=1)                     # [B,S+1,n,D]
+        nxt = jnp.concatenate([ids, jnp.zeros_like(ids[:, :1])], axis=1)     # [B,S+1]
+        idx = jnp.clip(jnp.arange(S + 1)[None] + (1 - pend_n)[:, None], 0, S)
+        n_mtp = jnp.where(n_new > 0, n_new - 1 + pend_n, 0)
+        _, ring, _ = mtp_chunk(params, ring, jnp.take_along_axis(both, idx[:, :, None, None], 1),
+                               jnp.take_along_axis(nxt, idx, 1), n_mtp)
+        pend_here = n_new > 0
+        pend_n = jnp.where(pend_here, 1, pend_n)
+    first = jnp.where(pend_here[:, None, None], last_streams.astype(state.streams.dtype),
+                      state.streams[:, 0])
+    return MTPState(ring, state.streams.at[:, 0].set(first), state.ids, pend_n)
+
+
+def _draft(params, weights, state: MTPState, anchor, lengths, sampling, step, active, k: int,
+           constrain=None):
+    K1 = state.ids.shape[1]
+    ids = jnp.where(jnp.arange(K1)[None] == (state.n - 1)[:, None], anchor[:, None], state.ids)
+    pending = jnp.where(active, state.n, 0)
+    out = draft(params, _ring_at(state, lengths), state.streams, ids, pending, k, sampling, step,
+                constrain=constrain)
+    new = dataclasses.replace(state, ring=out[2])
+    if constrain is None:
+        return Draft(out[0], out[1], None, new)
+    return Draft(out[0], out[1], None, new, out[3], out[4])
+
+
+def _commit(params, weights, state: MTPState, feats, tokens, n_emit, lengths, active):
+    """The committed positions (streams at the anchor and the accepted drafts, the tokens
+    after them) become the next step's catch-up input."""
+    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)),
+                                      new.astype(old.dtype), old)
+    return MTPState(state.ring, keep(feats.streams, state.streams), keep(tokens, state.ids),
+                    jnp.where(active, n_emit, state.n))
+
+
+def _no_taps(weights) -> dict:
+    return {}
+
+
+# The MTP block as a `Drafter` (no confidence head: fixed verify lengths, or random ones as a
+# diagnostic). Its weights are the target's (params["mtp"]): `weights` is None.
+DRAFTER = Drafter(name="mtp", resolve=_resolve, taps=_no_taps, init_state=_init_state,
+                  prefill=_prefill, draft=_draft, commit=_commit)

@@ -1,4 +1,4 @@
-"""Lossless verification of draft tokens, and the state rollback (spec/dspark.md §2, §5).
+"""Lossless verification of draft tokens, and the state rollback (docs/MODEL.md §D2, §5).
 
 Alignment (§2.1): row b verified `[y_L, x_1 .. x_l]` at positions L .. L+l in one target
 forward; target logits o_j (j = 0..k) judge x_{j+1} and o_l gives the bonus. A row emits its
