@@ -12,6 +12,7 @@ from deepinfer_fn.checkpoint import CheckpointError, load_params, save_params
 from deepinfer_fn.generate import GenerateOutput, generate, stream_generate
 from deepinfer_fn.state import DecodeState, init_state
 from deepinfer_fn.default_model import default_model_path
+from deepinfer_fn.bundle import Model, load_model
 from deepinfer_fn.structured import Grammar, JsonSchema, Regex
 from deepinfer_fn.engine import Engine, Request, RequestOutput
 
@@ -19,7 +20,7 @@ __all__ = [
     "ConfigError", "ModelConfig", "Params", "count_params", "init_params", "param_specs",
     "forward", "mtp_forward", "CheckpointError", "load_params", "save_params",
     "GenerateOutput", "generate", "stream_generate", "default_model_path", "DecodeState", "init_state",
-    "Regex", "JsonSchema", "Grammar", "Engine", "Request", "RequestOutput",
+    "Model", "load_model", "Regex", "JsonSchema", "Grammar", "Engine", "Request", "RequestOutput",
     "ProgramCounter", "enable_persistent_cache", "precompile", "ArgumentError", "ArgumentTypeError",
 ]
 

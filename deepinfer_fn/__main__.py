@@ -1,4 +1,4 @@
-"""Command line: `python -m deepinfer_fn {generate,info,forward,precompile} ...`.
+"""Command line: `python -m deepinfer_fn {generate,info,forward,precompile,batch} ...`.
 
 Errors: a bad argument prints one `... error: ...` line on stderr and exits 2 (argparse-level
 checks of types and ranges, then the checks that need the model: `--model` resolution, token
@@ -16,13 +16,10 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 
 PROG = "python -m deepinfer_fn"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_HUB_FILES = ["*.json", "*.safetensors", "*.model"]
 
 
 class UsageError(Exception):
@@ -85,6 +82,16 @@ def _token_list(text: str) -> list[int]:
     return values
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 # ------------------------------------------------------------------ --model
 def _presets() -> tuple[str, ...]:
     from deepinfer_fn.config import ModelConfig
@@ -92,29 +99,17 @@ def _presets() -> tuple[str, ...]:
 
 
 def _hub_snapshot(repo: str, quiet: bool) -> str:
-    """The local snapshot directory of hub repo `org/name` (the cache first; a download only
-    when HF_HUB_OFFLINE is unset)."""
+    """The local snapshot directory of hub repo `org/name` (`bundle.hub_snapshot`: the cache
+    first, a download only when HF_HUB_OFFLINE is unset); UsageError when neither works."""
+    from deepinfer_fn import bundle
+    from deepinfer_fn.checkpoint import CheckpointError
+
+    def say(message):
+        _say(quiet, f"model: {message}")
     try:
-        import huggingface_hub as hf
-        from huggingface_hub import constants
-    except ImportError:
-        raise UsageError(f"--model {repo}: looks like a hub id, but huggingface_hub is not "
-                         "installed (pip install huggingface_hub), and no such directory")
-    try:
-        return hf.snapshot_download(repo, allow_patterns=_HUB_FILES, local_files_only=True)
-    except FileNotFoundError:             # LocalEntryNotFoundError: not in the cache
-        pass
-    if constants.HF_HUB_OFFLINE:
-        raise UsageError(f"--model {repo}: not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-                         " and HF_HUB_OFFLINE is set, and no such directory; download it first "
-                         f"(`hf download {repo}`) or pass a checkpoint directory")
-    if not quiet:
-        print(f"model: {repo} is not in the Hugging Face cache; downloading it", file=sys.stderr)
-    try:
-        return hf.snapshot_download(repo, allow_patterns=_HUB_FILES)
-    except Exception as e:      # not found, gated, no network, ...
-        raise UsageError(f"--model {repo}: could not download it from the Hugging Face hub "
-                         f"({type(e).__name__}: {e})") from e
+        return bundle.hub_snapshot(repo, on_download=say)
+    except CheckpointError as e:
+        raise UsageError(f"--model {repo}: {e}") from e
 
 
 def resolve_model(model: str | None, quiet: bool) -> tuple[str | None, str, str]:
@@ -131,10 +126,11 @@ def resolve_model(model: str | None, quiet: bool) -> tuple[str | None, str, str]
     if os.path.exists(path):
         raise UsageError(f"--model {model}: is a file, not a checkpoint directory (pass the "
                          "directory that holds config.json)")
+    from deepinfer_fn import bundle
     presets = _presets()
     if model in presets:
         return None, model, f"model: preset {model!r}"
-    if _HUB_ID.match(model) and not model.startswith("."):
+    if bundle.is_hub_id(model) and not model.startswith("."):
         snapshot = _hub_snapshot(model, quiet)
         return snapshot, None, f"model: hub id {model} (snapshot {snapshot})"
     if os.sep in model or model.startswith((".", "~")):
@@ -293,6 +289,49 @@ def cmd_precompile(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    """Runs a JSONL file of API requests (deepinfer_fn.batch) into a JSONL file of results."""
+    import jax.numpy as jnp
+    from deepinfer_fn import batch
+    if not os.path.isfile(args.input):
+        raise UsageError(f"{args.input}: no such file (a JSONL file of requests)")
+    if args.output != "-" and os.path.isdir(args.output):
+        raise UsageError(f"--output {args.output}: is a directory")
+    if args.output == "-" and args.resume:
+        raise UsageError("--resume needs an --output file, not stdout")
+    if args.resume and args.overwrite:
+        raise UsageError("pass --resume or --overwrite, not both")
+    if (args.output != "-" and os.path.exists(args.output) and os.path.getsize(args.output) > 0
+            and not (args.resume or args.overwrite)):
+        raise UsageError(f"--output {args.output}: exists; pass --resume to continue it or "
+                         "--overwrite to replace it")
+    if args.drafter is not None and args.speculative != "dspark":
+        raise UsageError("--drafter needs --speculative dspark")
+    bad = sorted(set(args.engine_options) & {"speculative", "drafter", "tokenizer", "progress"})
+    if bad:
+        raise UsageError(f"--engine-options: {bad} are set by batch itself (use --speculative / "
+                         "--drafter)")
+    ckpt, preset, description = resolve_model(args.model, args.quiet)
+    if ckpt is None:
+        raise UsageError(f"--model {args.model}: batch needs a checkpoint directory with a "
+                         f"tokenizer, not a preset with random weights")
+    _say(args.quiet, description)
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    model = batch.load_batch_model(ckpt, dtype=dtype, speculative=args.speculative,
+                                   drafter=args.drafter)
+    engine_options = {k: v for k, v in (("max_batch", args.max_batch), ("max_len", args.max_len),
+                                        ("max_tokens_per_step", args.max_tokens_per_step),
+                                        ("prefill_chunk", args.prefill_chunk)) if v is not None}
+    engine_options.update(args.engine_options)
+    summary = batch.run_batch_file(
+        args.input, args.output, model, resume=args.resume, overwrite=args.overwrite,
+        order=args.order, progress=not args.quiet, engine_options=engine_options,
+        default_format=args.format, default_thinking=not args.no_thinking,
+        default_max_tokens=args.max_tokens, created=args.created, window=args.window)
+    print(json.dumps(summary), file=sys.stderr if args.output == "-" else sys.stdout)
+    return 0
+
+
 # ------------------------------------------------------------------ parser
 MODEL_HELP = ("checkpoint directory, preset name ({presets}; random weights) or Hugging Face "
               "hub id org/name (from the local hub cache; downloaded only if HF_HUB_OFFLINE "
@@ -350,6 +389,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", action="store_true", help="also the Engine's sub-step shapes")
     p.add_argument("--max-batch", type=positive_int, default=16, help="the Engine's max_batch")
     p.set_defaults(fn=cmd_precompile)
+    p = sub.add_parser("batch", help="run a JSONL file of OpenAI / Anthropic API requests "
+                                     "(chat completions, Responses, Messages, batch lines)")
+    common(p, None)
+    p.add_argument("input", help="JSONL file, one request per line")
+    p.add_argument("--output", "-o", required=True,
+                   help="JSONL file of results, one per request line ('-': stdout)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the results already in --output and run only the missing ones")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--order", choices=["input", "finish"], default="input",
+                   help="write results in input order (default; resumable as a prefix) or as "
+                        "they finish")
+    p.add_argument("--format", choices=["auto", "chat", "responses", "messages"],
+                   default="auto", help="format of bare request bodies (default: detected)")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="requests that do not choose a thinking mode run without thinking")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="token budget of requests that set none (default: up to the context)")
+    p.add_argument("--created", type=nonneg_int, default=None,
+                   help="one Unix timestamp for every response (reproducible output files)")
+    p.add_argument("--speculative", choices=["mtp", "dspark"], default=None,
+                   help="speculative decoding (dspark: the model directory's dspark/ drafter "
+                        "unless --drafter)")
+    p.add_argument("--drafter", default=None, help="DSpark drafter directory")
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="requests running at once (Engine max_batch; default 16)")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="context limit per request (default min(4096, the model's))")
+    p.add_argument("--max-tokens-per-step", type=positive_int, default=None,
+                   help="token budget of one engine step (default 512)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="widest prefill row (default min(256, --max-tokens-per-step))")
+    p.add_argument("--window", type=positive_int, default=1024,
+                   help="requests per engine call (bounds memory for huge files)")
+    p.add_argument("--engine-options", type=_json_object, default={},
+                   help='more Engine keyword arguments as a JSON object, e.g. '
+                        '\'{"num_pages": 512, "decode_buckets": [4, 16]}\'')
+    p.set_defaults(fn=cmd_batch)
     return parser
 
 

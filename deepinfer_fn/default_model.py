@@ -7,11 +7,12 @@ V4 chat special tokens. It writes Python-like text, so examples, tests and the s
 and structured-output paths can run on real (non-random) weights on any machine, offline:
 
     import deepinfer_fn as di
-    from deepinfer_fn.default_model import default_model_path
-    params = di.load_params(default_model_path())
+    model = di.load_model()            # params, tokenizer and DSpark drafter (deepinfer_fn.bundle)
+    params = di.load_params(di.default_model_path())     # the weights alone
 
 The directory holds config.json, model.safetensors (bf16), tokenizer.json,
-tokenizer_config.json and training_log.json (losses, baselines, samples).
+tokenizer_config.json, training_log.json (losses, baselines, samples) and dspark/, the DSpark
+drafter trained for it (`scripts/train_dspark.py`).
 """
 
 from __future__ import annotations
