@@ -63,7 +63,9 @@ class LayerGroup:
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[Kind, ...]:
-    return tuple(zip(cfg.layer_types, cfg.mlp_layer_types))
+    """Each layer's kind: (attention type, mlp type) for V4; V4.1 appends its sharing and
+    Engram roles, so layers stacked together have the same weights and state."""
+    return cfg.layer_kinds()
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[LayerGroup, ...]:

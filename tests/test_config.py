@@ -92,3 +92,27 @@ def test_bad_configs_raise_clear_errors(mutate, message):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="unknown preset"):
         di.ModelConfig.preset("v5-huge")
+
+
+def test_v4_outputs_unchanged_by_v41_fields():
+    """V4's config.json and parameter-count keys carry nothing of V4.1."""
+    cfg = di.ModelConfig.preset("v4-flash")
+    hf = cfg.to_hf()
+    assert not any(k.startswith(("engram", "dspark", "kv_source", "index_source", "candidate",
+                                 "vision", "hc_pre", "q_head")) for k in hf)
+    assert hf["model_type"] == "deepseek_v4" and "text_config" not in hf
+    assert set(di.count_params(cfg)) == {"total", "active", "mtp_total", "mtp_active"}
+    assert not cfg.is_v41 and cfg.layer_kinds() == tuple(zip(cfg.layer_types, cfg.mlp_layer_types))
+    assert cfg.kv_source_of(5) is None and cfg.candidate_role(5) == ""
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(dspark_block_size=5), "DSpark checkpoints"),
+    (lambda d: d.update(engram_layer_ids=[1]), "is a DeepSeek-V4.1 field"),
+    (lambda d: d.update(text_config=3), "deepseek_v4.* with a text_config"),
+])
+def test_v4_config_with_v41_fields(mutate, message):
+    d = json.loads(json.dumps(OFFICIAL_V4_FLASH))
+    mutate(d)
+    with pytest.raises(ConfigError, match=message):
+        di.ModelConfig.from_hf(d)
