@@ -1,5 +1,5 @@
 """Offline engine throughput with and without the prefix cache, and device idle time between
-steps with and without asynchronous scheduling (issue 5 benchmark).
+steps with and without asynchronous scheduling.
 
 Workload: `--requests` requests, each = one of `--systems` shared system prompts of
 `--system-len` tokens + a distinct user suffix of `--suffix-min`..`--suffix-max` tokens,
@@ -19,7 +19,7 @@ background thread timestamps completions).
     python benchmarks/engine.py --out benchmarks/results/engine_mini_h200.json      # GPU
     python benchmarks/engine.py --quick --out benchmarks/results/engine_quick_cpu.json
 
-Speculative arms (`--speculative dspark|mtp`, spec/dspark.md §4): the embedded default model
+Speculative arms (`--speculative dspark|mtp`, docs/MODEL.md §D4): the embedded default model
 (`--model default`, its shipped DSpark drafter or its MTP block) on `--requests` text prompts
 (standard-library source windows of `--prompt-len` tokens, benchmarks/speculative.py's
 `make_prompts`), `--new` tokens each (no stop token: fixed output length), `--max-batch` = the

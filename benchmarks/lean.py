@@ -21,7 +21,7 @@ rewritten after every section, then the plot (`benchmarks/plot_lean.py`).
   over the bandwidth of a large on-device `x + 1` measured in the same process.
 * prefill (`mini`): one `forward_chunk` of 1 x 4096 and 8 x 512 tokens on an empty state,
   against the bf16 peak of a large matmul loop measured in the same process; FLOPs counted
-  from the config (`prefill_flops`: matmuls and attention, spec/model.md §2.5-§2.9).
+  from the config (`prefill_flops`: matmuls and attention, docs/MODEL.md §2.5-§2.9).
 * kernels: `hlo_count` of the compiled decode step (total, per layer, per category, per
   source file), reused from the compile section when that ran.
 * peer: transformers `DeepseekV4ForCausalLM` (eager, bf16, random weights) on the same `mini`
@@ -118,7 +118,7 @@ def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2) -> d
 
     weights: the (abstract) params. Read once per step: every dense weight (its own dtype),
     the routed experts the batch touches (`expected_experts` per MoE layer), `batch`
-    embedding rows; the MTP block is not run. State read per row and layer (spec/model.md §3):
+    embedding rows; the MTP block is not run. State read per row and layer (docs/MODEL.md §3):
     the window ring (W slots of d), CSA: the selected rows (min(topk, context/m) of d), every
     indexer row (context/m of d_I) and both compressor rings, HCA: every row (context/m of d)
     and its ring. State writes (one row per layer) are not counted.
@@ -161,7 +161,7 @@ def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2) -> d
 
 def token_matmul_flops(cfg) -> dict:
     """Matmul FLOPs (2 per multiply-add) of one token through the layer stack, per part,
-    from the config (spec/model.md §2.3, §2.5-§2.9)."""
+    from the config (docs/MODEL.md §2.3, §2.5-§2.9)."""
     from deepinfer_fn.config import CSA, HCA
     D, H, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
     G, R, ql = cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
@@ -182,7 +182,7 @@ def token_matmul_flops(cfg) -> dict:
 
 def attention_flops(cfg, positions) -> dict:
     """Core attention and indexer FLOPs of queries at the given absolute positions
-    (spec/model.md §2.7-§2.8): 4 H d per (query, key) over the window (min(t+1, W) keys) plus
+    (docs/MODEL.md §2.7-§2.8): 4 H d per (query, key) over the window (min(t+1, W) keys) plus
     the compressed keys (HCA: every visible row; CSA: min(topk, visible rows)); the CSA
     indexer scores every visible row at 2 H_I d_I."""
     import numpy as np
@@ -877,7 +877,7 @@ def section_mainjob(args, p, budget: float) -> dict:
 
 
 def summarize(results: dict) -> dict:
-    """The headline numbers and the issue's targets, from the section rows."""
+    """The headline numbers and the targets, from the section rows."""
     rows = lambda sec: [r for r in results.get(sec, {}).get("rows", [])
                         if "error" not in r and r.get("kind") == sec]
     s: dict = {}

@@ -1,4 +1,4 @@
-"""Logit divergence of SWA bounded replay vs exact recompute as a function of R (issue 5).
+"""Logit divergence of SWA bounded replay vs exact recompute as a function of R.
 
 On the embedded default model (f32, window 128, CSA ratio 4, HCA ratio 16): for each sequence
 (CPython standard-library sources, in-distribution for this model, and uniform random ids),

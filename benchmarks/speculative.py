@@ -1,6 +1,6 @@
 """Speculative decoding: fixed-γ vs dynamic verify length, the shape of DeepInfer's table.
 
-spec/dspark.md §4. Target: the embedded default model; drafter: the shipped DSpark drafter
+docs/MODEL.md §D4. Target: the embedded default model; drafter: the shipped DSpark drafter
 (`assets/default_model/dspark/`) when present, else the checkpoint's MTP block (fixed arms
 only: MTP has no confidence head, so no dynamic arm). Steps:
 

@@ -1,7 +1,7 @@
 """Sampling: temperature / top-k / top-p / min-p, grammar masks, per-request counter-based keys.
 
 Everything here is pure and jittable: no host synchronisation, no Python work per token, so the
-sampler runs inside the jitted decode step (DESIGN.md, "sampling"; spec/dspark.md §2.2, §5).
+sampler runs inside the jitted decode step (docs/MODEL.md §D2.2, §D5).
 
 Distribution drawn from, per row (one row = one request), in this order:
 
@@ -28,20 +28,18 @@ Randomness is counter-based (`request_key`): a request's noise is a pure functio
 its absolute position (and, for speculative decoding, its step counter, a role tag and a draft
 slot), never of its batch row or of the other requests. Sampled rows use the Gumbel-max trick
 with that noise: token = argmax(filtered_logits + G), G ~ Gumbel(0, 1)^V from the row's key; this
-is the drafter-invariant form of spec/dspark.md §5.4, so a draft computed with the same key and
+is the drafter-invariant form of docs/MODEL.md §D5.4, so a draft computed with the same key and
 the same processed logits picks the same token.
 
 Batch invariance: every computation is row-wise (reductions only along the vocabulary axis). The
 only cross-row operations are `lax.cond` predicates ("does any row sample / need top-k or top-p /
 use min-p") that choose between code paths giving bit-identical results for every row they
 share, so they save work without changing any row's result. Tokens and kept sets are the same
-across batch compositions (barring a filter threshold within an ulp of a token); on XLA:CPU, normalised values (probabilities, logprobs)
-of tiny arrays can differ by an ulp because XLA picks its exp vectorisation by array size (at
-V = 129,280 they were bit-identical too; tests/test_sampling.py checks both).
+across batch compositions (barring a filter threshold within an ulp of a token); on XLA:CPU,
+normalised values (probabilities, logprobs) of tiny arrays can differ by an ulp because XLA
+picks its exp vectorisation by array size (tests/test_sampling.py checks both).
 
-Cost of `sample` (jitted, V = 129,280): rows without top-k/top-p skip the sort; with it, one
-stable sort per row is shared by top-k and top-p. H200: B = 64 0.3 ms (temperature/min-p),
-2.1 ms (top-k/top-p); B = 256 0.7 / 3.6 ms. 16 CPU cores, B = 64: 56 / 235 ms.
+Cost: rows without top-k/top-p skip the sort; otherwise one stable sort per row serves both.
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ _ABSENT = 0xFFFFFFFF  # folded into a key in place of an absent counter (no real
 
 class Role(enum.IntEnum):
     """Role tag folded into a key, so the random streams of different uses never coincide
-    (spec/dspark.md §5.2)."""
+    (docs/MODEL.md §D5.2)."""
 
     GUMBEL = 0   # plain decoding / drafter-invariant mode: the Gumbel noise of the sampler
     DRAFT = 1    # standard speculative mode: the draft's own sampling noise
@@ -178,7 +176,7 @@ def request_key(seed, position, *, step=None, slot=None, role: int = Role.GUMBEL
     in this order, an absent counter (None) folded as 0xFFFFFFFF, so every field has a fixed
     meaning and different combinations never share a stream. Plain decoding uses
     (seed, position, GUMBEL); speculative decoding adds the request-local step counter and the
-    draft slot (spec/dspark.md §5.2). Arguments broadcast against each other (e.g. [B] or
+    draft slot (docs/MODEL.md §D5.2). Arguments broadcast against each other (e.g. [B] or
     [B, γ]); the result is a typed key array of the broadcast shape.
     """
     def counter(x):
@@ -300,7 +298,7 @@ def filter_logits(logits: jax.Array, params: SamplingParams, allowed_mask=None) 
 def probabilities(logits: jax.Array, params: SamplingParams, allowed_mask=None) -> jax.Array:
     """f32[B,V]: the exact distribution `sample` draws each row from (one-hot for greedy rows).
 
-    This is p̃ of spec/dspark.md §2.2 for the processors implemented here; a row with no allowed
+    This is p̃ of docs/MODEL.md §D2.2 for the processors implemented here; a row with no allowed
     token is all zeros.
     """
     filtered = filter_logits(logits, params, allowed_mask)

@@ -1,4 +1,4 @@
-"""Decode state: everything a sequence carries between calls (spec/model.md §3).
+"""Decode state: everything a sequence carries between calls (docs/MODEL.md §3).
 
 Contiguous layout (one slot per batch row). Per layer, a dict of fixed-capacity arrays:
 
@@ -19,7 +19,7 @@ same slack as the window ring.
 `lengths [B]` counts the tokens each row has processed (= next position). Everything else is
 addressed by absolute position and derived from it (row count = lengths // m, visible rows,
 live ring slots), so rolling a row back over rejected draft tokens is only `lengths` moving
-back (spec/dspark.md §2.7). Why that is complete, for a verify chunk of at most S = k + 1
+back (docs/MODEL.md §D2.7). Why that is complete, for a verify chunk of at most S = k + 1
 tokens (k drafts) at positions L..L+k rolled back to L' = L + g + 1 (g accepted):
 
 * window ring: rejected tokens wrote slots of positions <= L + k <= L' + k - 1. The next

@@ -2,7 +2,7 @@
 
     python scripts/train_dspark.py [--out deepinfer_fn/assets/default_model/dspark]
 
-Steps (spec/dspark.md §1.6, adapted to a 12.5M-parameter target and a 2-core CPU):
+Steps (docs/MODEL.md §D1.6, adapted to a 12.5M-parameter target and a 2-core CPU):
 
 1. prompts: random 48-token snippets of the stdlib sources the default model was trained on
    (scripts/train_default_model.py's corpus; training snippets from its training files,

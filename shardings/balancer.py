@@ -175,7 +175,7 @@ def plan_replicas(load, n_devices: int, n_redundant: int, *, refine_iters: int |
     placement per layer (returns a tuple of L placements). Minimises (heuristically) the
     maximum per-device load; see the module docstring for the algorithm. `restarts` extra
     searches start from seeded perturbations of the loads (default: 4 when N + R <= 128,
-    else 1; ~30 ms per restart for 320 slots over 64 devices); the best result is kept.
+    else 1); the best result is kept.
     """
     load = np.asarray(load, np.float64)
     if load.ndim == 2:

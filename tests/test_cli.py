@@ -1,10 +1,12 @@
-"""Command line (`python -m deepinfer_fn`): generate / info / forward / precompile, --model
-resolution (directory, preset, hub id), --quiet, and one-line errors with exit status 2 (bad
-argument) or 1 (library error).
+"""Command line (`python -m deepinfer_fn`): generate (raw prompt, sampled as the README's main
+job, greedy, chat), info, forward, precompile, --model resolution (directory, preset, hub id),
+--dtype, --quiet, and one-line errors with exit status 2 (bad argument) or 1 (library error),
+never a traceback unless DEEPINFER_DEBUG=1.
 
-Oracles: `di.generate` / `di.forward` in this process and the tokenizer's own decoding. The
-subprocesses share the test compilation cache; argument errors that need no device run
-in-process through `main(argv)` (the same entry point), a few through the interpreter too.
+Oracles: `di.generate` / `di.forward` / `di.count_params` in this process and the tokenizer's
+own decoding. The subprocesses share the test compilation cache; argument errors that need no
+device run in-process through `main(argv)` (the same entry point), a few through the
+interpreter too. Each subprocess costs a JAX import and a model load, so they are few.
 """
 
 import functools
@@ -14,6 +16,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,24 +46,31 @@ def tokenizer():
     return text.load_tokenizer(di.default_model_path())
 
 
-def expected_text(ids: list[int]) -> str:
-    """Greedy continuation of `ids` by generate(), decoded, EOS dropped."""
+def expected_text(ids: list[int], **sampling) -> str:
+    """Continuation of `ids` by generate() (greedy unless `sampling`), decoded, EOS dropped."""
     tok = tokenizer()
     out = di.generate(params(), np.asarray([ids], np.int32), max_new_tokens=N,
-                      stop_tokens=[tok.eos_id])
+                      stop_tokens=[tok.eos_id], **sampling)
     new = [t for t in np.asarray(out.tokens)[0, :int(out.lengths[0])].tolist() if t != tok.eos_id]
     return tok.decode(new)
 
 
-def test_generate_raw_quiet_prints_only_the_text():
-    """--quiet: stdout is exactly the generated text (generate()'s greedy tokens, decoded),
-    stderr is empty (no model line, no progress bar, no summary)."""
+def raw_ids(prompt: str) -> list[int]:
     tok = tokenizer()
-    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(PROMPT)
-    rc, out, err = cli("generate", "--prompt", PROMPT, "--max-new-tokens", str(N), "--quiet")
+    return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
+
+
+def test_generate_raw_sampled_quiet_prints_only_the_text():
+    """The README's main job (temperature 0.7, top-p 0.95) with a seed and --quiet: stdout is
+    exactly generate()'s sampled tokens with the same seed, decoded (the CLI streams in blocks;
+    the draws are keyed by seed and position, so they agree); stderr is empty (no model line,
+    no progress bar, no summary)."""
+    sampling = dict(temperature=0.7, top_p=0.95, seed=5)
+    rc, out, err = cli("generate", "--prompt", PROMPT, "--max-new-tokens", str(N),
+                       "--temperature", "0.7", "--top-p", "0.95", "--seed", "5", "--quiet")
     assert rc == 0, err
     assert err == ""
-    assert out == expected_text(ids) + "\n"
+    assert out == expected_text(raw_ids(PROMPT), **sampling) + "\n"
 
 
 def test_generate_chat_and_default_output():
@@ -75,19 +85,27 @@ def test_generate_chat_and_default_output():
     rc, out, err = cli("generate", "--prompt", PROMPT, "--max-new-tokens", str(N),
                        "--model", di.default_model_path())
     assert rc == 0, err
-    assert out.startswith(PROMPT)
+    assert out == PROMPT + expected_text(raw_ids(PROMPT)) + "\n"     # greedy, prompt echoed
+    assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert lines[0] == f"model: checkpoint directory {di.default_model_path()}"
     assert lines[-1].startswith("[prompt ") and f"{N} new tokens" in lines[-1]
 
 
 def test_info_preset_directory_and_hub_id(tmp_path):
-    """info on a preset, and on a hub id resolved from the hub cache
-    (a fake cache holding the embedded model): counts equal count_params of the config."""
+    """info on a preset, a checkpoint directory (--quiet: stdout only) and a hub id resolved
+    from the hub cache (a fake cache holding the embedded model): counts equal count_params of
+    the config, the layer schedule its layer_types."""
     rc, out, err = cli("info", "--model", "tiny")
     assert rc == 0, err
-    assert json.loads(out)["total"] == di.count_params(di.ModelConfig.preset("tiny"))["total"]
+    tiny = di.ModelConfig.preset("tiny")
+    assert json.loads(out) == {"model": "tiny", **di.count_params(tiny), "layers": {
+        t: tiny.layer_types.count(t) for t in set(tiny.layer_types)}}
     assert err.strip() == "model: preset 'tiny'"
+    rc, out, err = cli("info", "--model", di.default_model_path(), "--quiet")
+    assert rc == 0 and err == "", err
+    want = di.count_params(di.ModelConfig.from_hf(di.default_model_path()))
+    assert {k: json.loads(out)[k] for k in want} == want
     snap = tmp_path / "hub" / "models--org--tiny-v4" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
     (snap.parent.parent / "refs").mkdir()
@@ -102,14 +120,22 @@ def test_info_preset_directory_and_hub_id(tmp_path):
 
 
 def test_forward_and_precompile_help():
-    """forward on the tiny preset (seed-0 random weights, said on stderr) prints forward()'s
-    per-position argmax; precompile --help exits 0."""
+    """forward on the tiny preset (seed-0 random weights, said on stderr) and on the default
+    model's directory in bfloat16 (--quiet) prints forward()'s per-position argmax of the same
+    weights; precompile --help exits 0."""
     rc, out, err = cli("forward", "--model", "tiny", "--tokens", "1,2,3")
     assert rc == 0, err
     p = di.init_params(di.ModelConfig.preset("tiny"), jax.random.key(0))
     want = np.asarray(di.forward(p, np.array([[1, 2, 3]], np.int32)))[0].argmax(-1).tolist()
     assert out == f"next-token argmax per position: {want}\n"
     assert err.splitlines()[0] == "model: preset 'tiny' with random weights (not a trained model)"
+    ids = raw_ids(PROMPT)
+    rc, out, err = cli("forward", "--model", di.default_model_path(), "--dtype", "bfloat16",
+                       "--tokens", ",".join(map(str, ids)), "--quiet")
+    assert rc == 0 and err == "", err
+    p16 = di.load_params(di.default_model_path(), dtype=jnp.bfloat16)
+    want = np.asarray(di.forward(p16, np.array([ids], np.int32)))[0].argmax(-1).tolist()
+    assert out == f"next-token argmax per position: {want}\n"
     rc, out, err = cli("precompile", "--help")
     assert rc == 0 and out.startswith("usage:") and "--max-batch" in out
 
@@ -128,26 +154,33 @@ BAD = [  # (argv, exit status, words the one line must contain)
     (["generate", "--prompt", "x", "--dtype", "float16"], 2, "--dtype"),
     (["generate"], 2, "--prompt"),
     (["generate", "--prompt", "x", "--model", "tiny"], 2, "tokenizer"),
+    (["generate", "--prompt", "x", "--model", "README.md"], 2, "is a file"),
+    (["generate", "--prompt", "x", "--top-k", "1.5"], 2, "--top-k"),
+    (["generate", "--prompt", "x", "--bogus"], 2, "unrecognized arguments"),
     (["frobnicate"], 2, "invalid choice"),
     ([], 2, "required"),
     (["info", "--model", "/no/such/dir"], 2, "no such directory"),
     (["info", "--model", "./no-such-dir"], 2, "no such directory"),
     (["info", "--model", "no-such-preset"], 2, "tiny"),
     (["info", "--model", "README.md"], 2, "is a file"),
+    (["info", "--model", ""], 2, "not a directory, a preset"),
     (["info", "--model", "no-such-org/no-such-model"], 2, "not in the Hugging Face cache"),
     (["forward", "--tokens", "1,x"], 2, "--tokens"),
     (["forward", "--tokens", "1,-3"], 2, "--tokens"),
+    (["forward", "--tokens", ""], 2, "--tokens"),
+    (["forward", "--dtype", "int8"], 2, "--dtype"),
     (["forward", "--tokens", "1,256"], 2, "vocabulary"),
     (["precompile", "--batch", "0"], 2, "--batch"),
     (["precompile", "--max-batch", "-4"], 2, "--max-batch"),
+    (["precompile", "--prompt-len", "0,8"], 2, "--prompt-len"),
     (["generate", "--prompt", "x", "--max-new-tokens", "100000", "--quiet"], 1, "context"),
 ]
 
 
 @pytest.mark.parametrize("argv,code,words", BAD, ids=[" ".join(a) or "(none)" for a, _, _ in BAD])
 def test_bad_arguments_one_line(argv, code, words, capsys, monkeypatch):
-    """Every bad argument: exactly one stderr line naming the problem, nothing on stdout,
-    exit status 2 (a bad argument) or 1 (the library refused the call)."""
+    """Every bad argument: exactly one stderr line naming the problem (no traceback), nothing
+    on stdout, exit status 2 (a bad argument) or 1 (the library refused the call)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("DEEPINFER_DEBUG", raising=False)
     with pytest.raises(SystemExit) as e:
@@ -156,6 +189,7 @@ def test_bad_arguments_one_line(argv, code, words, capsys, monkeypatch):
     assert e.value.code == code
     assert out == "" and err.count("\n") == 1 and err.endswith("\n"), err
     assert " error: " in err and words in err, err
+    assert "Traceback" not in err
 
 
 def test_errors_through_the_interpreter(tmp_path):
@@ -164,8 +198,9 @@ def test_errors_through_the_interpreter(tmp_path):
     with the traceback."""
     rc, out, err = cli("generate", "--prompt", "x", "--max-new-tokens", "-1")
     assert rc == 2 and out == "" and err.count("\n") == 1 and "--max-new-tokens" in err
+    assert "Traceback" not in err
     rc, out, err = cli("info", "--model", str(tmp_path))
     assert rc == 1 and out == "" and err.count("\n") == 1
-    assert "ConfigError" in err and "config.json" in err
+    assert "ConfigError" in err and "config.json" in err and "Traceback" not in err
     rc, out, err = cli("info", "--model", str(tmp_path), env={"DEEPINFER_DEBUG": "1"})
     assert rc == 1 and "Traceback" in err and err.count("\n") > 3

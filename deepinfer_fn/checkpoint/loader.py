@@ -1,4 +1,4 @@
-"""HF-format checkpoints <-> params, driven by the weight specs (spec/model.md §5).
+"""HF-format checkpoints <-> params, driven by the weight specs (docs/MODEL.md §5).
 
 `load_params(path, dtype)` reads official or transformers-saved safetensors (single file or
 sharded with `model.safetensors.index.json`), dequantizes FP8 block-scaled and packed FP4

@@ -1,5 +1,5 @@
 """Checkpoint tensor names: official DeepSeek names and transformers `save_pretrained` names
-normalised to the official ones (spec/model.md §5.2, §5.4)."""
+normalised to the official ones (docs/MODEL.md §5.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Codec for the DeepSeek-V4 checkpoint weight formats (spec/model.md §5.3).
+"""Codec for the DeepSeek-V4 checkpoint weight formats (docs/MODEL.md §5.3).
 
 Formats
 -------

@@ -1,1 +1,1 @@
-"""Pure functions of the DeepSeek-V4 forward pass (spec/model.md §2)."""
+"""Pure functions of the DeepSeek-V4 forward pass (docs/MODEL.md §2)."""

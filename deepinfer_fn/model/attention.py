@@ -26,7 +26,7 @@ def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
 
 def kv_projection(p, x, cos, sin, cfg: ModelConfig):
     """The shared key=value latent: kv_norm(x @ wkv), rotated: x [B,T,D] -> [B,T,d] (§2.5).
-    Also the DSpark context injection (spec/dspark.md §1.3: each draft stage projects the
+    Also the DSpark context injection (docs/MODEL.md §D1.3: each draft stage projects the
     target features through its own wkv/kv_norm)."""
     kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], cfg.rms_norm_eps)
     return apply_rope(kv, cos, sin)

@@ -1,4 +1,4 @@
-"""Attention of a chunk of new tokens against a decode state (spec/model.md §3, §4).
+"""Attention of a chunk of new tokens against a decode state (docs/MODEL.md §3, §4).
 
 One code path for prefill chunks of any size, single-token decode and k-token verification.
 Row b processes its first n_new[b] tokens of the chunk at positions start[b] + j; the rest of
@@ -65,7 +65,7 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
 
     x [B,S,D]; start/n_new [B]. row_floor [B] (optional, token positions, a multiple of m):
     rows of windows starting below it are not written (they already hold exact shared rows:
-    the engine's prefix-cache replay, spec/model.md §7). layer: the index into stacked
+    the engine's prefix-cache replay, docs/MODEL.md §7). layer: the index into stacked
     state leaves (module docstring) or None. Returns the updated entries.
     """
     B, S, _ = x.shape

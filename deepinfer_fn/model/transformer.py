@@ -97,9 +97,9 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
     logits of each row's last valid token [B,V] (rows with n_new = 0: garbage, state
     unchanged); streams [B,S,n,D] the final residual streams (MTP input).
     row_floor [B] int32 (optional): compressed rows of windows starting below this position
-    are not rewritten (prefix-cache replay keeps the shared exact rows, spec/model.md §7).
+    are not rewritten (prefix-cache replay keeps the shared exact rows, docs/MODEL.md §7).
 
-    taps (layer ids, DSpark target features, spec/dspark.md §1.2): also return a 4th output,
+    taps (layer ids, DSpark target features, docs/MODEL.md §D1.2): also return a 4th output,
     features [B,S,len(taps),D], each the residual streams averaged over the n mHC copies,
     read at the input ("pre") or the output ("post") of the tapped layer.
 
