@@ -54,6 +54,44 @@ def release_compiled_programs():
                            "something keeps compiled executables alive (limit 65,530)")
 
 
+# The slowest default-suite tests (a clean clone on 2 cores, cold compile cache) run with the
+# heavy checks, which CI runs too, so the default suite stays near 15 minutes.
+HEAVY_IN_CI = {
+    "test_sharding.py::test_redundant_experts_on_mesh_equal_single_device[ep=8]",
+    "test_sharding.py::test_greedy_generate_on_mesh_equals_single_device[dp=2,ep=4]",
+    "test_structured_speculative.py::test_default_model_outputs_are_valid[greedy]",
+    "test_structured_speculative.py::test_mixed_batch_free_rows_are_unchanged[dspark]",
+    "test_structured_speculative.py::test_dspark_sampled_dynamic_verify_length_is_valid[json]",
+    "test_fuzz_engine.py::test_engine_fuzz_request_mix[0-True]",
+    "test_engine_cache.py::test_shared_prefix_reuse_is_the_same_in_both_modes[None]",
+    "test_engine_speculative.py::test_greedy_equals_plain_generate[dspark]",
+    "test_engine_speculative.py::test_greedy_equals_plain_generate[mtp]",
+    "test_engine_speculative.py::test_constrained_requests_run_plain_in_a_speculative_engine",
+    "test_engine_speculative.py::test_dspark_equals_generate_speculative",
+    "test_scan.py::test_forward_chunk_scanned_equals_unrolled[tiny]",
+    "test_speculative.py::test_acceptance_on_default_model",
+    "test_speculative.py::test_stream_generate_mtp_pieces",
+    "test_cli.py::test_forward_and_precompile_help",
+    "test_cli.py::test_generate_raw_sampled_quiet_prints_only_the_text",
+    "test_engine.py::test_engine_bounded_replay_follows_the_recipe",
+    "test_batch.py::test_round_trip_content_usage_and_finish_match_the_engine",
+    "test_generate.py::test_greedy_generate_equals_forward_argmax_rollout",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    known = set()
+    for item in items:
+        key = f"{item.path.name}::{item.name}"
+        if key in HEAVY_IN_CI:
+            item.add_marker(pytest.mark.heavy)
+            known.add(key)
+    whole_run = not config.args or all(a.rstrip("/").endswith("tests") for a in config.args)
+    if whole_run and not config.getoption("keyword") and known != HEAVY_IN_CI:
+        raise pytest.UsageError(f"HEAVY_IN_CI names tests that do not exist: "
+                                f"{sorted(HEAVY_IN_CI - known)}")
+
+
 @contextlib.contextmanager
 def no_cache_writes():
     """Compiles inside are not written to the persistent cache (reads still hit). For the

@@ -116,8 +116,12 @@ def test_stream_generate_rejects_at_call_not_at_next(kwargs, error, match):
 
 
 def test_params_must_be_params():
-    raises_at_call(TYPE, "params must be deepinfer_fn.Params", di.generate, {}, tokens(),
-                   max_new_tokens=2)
+    raises_at_call(TYPE, "generate: model must be a deepinfer_fn.Model .* or Params", di.generate,
+                   {}, tokens(), max_new_tokens=2)
+    raises_at_call(TYPE, "stream_generate: model must be a deepinfer_fn.Model .* or Params",
+                   di.stream_generate, {}, tokens(), max_new_tokens=2)
+    with pytest.raises(TYPE, match="Engine: model must be a deepinfer_fn.Model .* or Params"):
+        di.Engine({})
     raises_at_call(TYPE, "params must be deepinfer_fn.Params", di.forward, {}, tokens())
 
 
