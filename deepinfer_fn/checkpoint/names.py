@@ -36,3 +36,11 @@ def scale_name(weight_name: str) -> str:
     """`layers.0.attn.wq_a.weight` -> `layers.0.attn.wq_a.scale` (official companion)."""
     assert weight_name.endswith(".weight"), weight_name
     return weight_name[: -len(".weight")] + ".scale"
+
+
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
+
+
+def is_vision_name(name: str) -> bool:
+    """A V4.1 vision tower / aligner / image_* embedding tensor (official name)."""
+    return name.startswith(VISION_PREFIXES)
