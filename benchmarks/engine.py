@@ -112,8 +112,7 @@ def run(engine: Engine, reqs, label: str) -> dict:
     res = dict(label=label, **dataclasses.asdict(m),
                ttft_p50_s=pct(ttft, 50), ttft_p90_s=pct(ttft, 90),
                tpot_p50_s=pct(tpot, 50), tpot_p90_s=pct(tpot, 90),
-               total_tokens_per_s=(m.prompt_tokens + m.generated_tokens) / wall,
-               idle_fraction=m.idle_total_s / wall if np.isfinite(m.idle_total_s) else float("nan"))
+               total_tokens_per_s=(m.prompt_tokens + m.generated_tokens) / wall)
     print(f"{label:>11}: {wall:7.2f} s  {m.throughput_tokens_per_s:9.1f} gen tok/s  "
           f"{res['total_tokens_per_s']:10.1f} tok/s (prompt+gen)  steps {m.steps:5d}  "
           f"prefill computed {m.prefill_tokens_computed:8d} saved {m.prefill_tokens_saved:8d}  "

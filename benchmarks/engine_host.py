@@ -207,7 +207,7 @@ def build_engine(args, params):
     return Engine(params, max_batch=args.max_batch, max_tokens_per_step=args.budget,
                   prefill_shapes=shapes, decode_buckets=buckets,
                   max_len=args.system_len + args.suffix_max + args.new,
-                  replay_tokens=args.replay, progress=False)
+                  replay_tokens=args.replay, progress=False, decode_steps=1)
 
 
 def timed_run(engine: Engine, reqs, stub, async_scheduling: bool, profile: bool = False):

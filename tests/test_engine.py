@@ -102,6 +102,33 @@ def test_greedy_equals_generate_with_preemption(async_scheduling, order_seed, bu
     assert eng.pages.free_count + (eng.cache.num_nodes if eng.cache else 0) == eng.pages.capacity
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_multi_step_decode_equals_generate(async_scheduling):
+    """With every request admitted at once, decode runs several steps per device call
+    (decode_steps = 8: calls of 8 then 1 step for 10 new tokens) and the tokens, greedy and
+    sampled, equal generate()'s and a one-step-per-call engine's; a stop token inside a block
+    ends its request there."""
+    prompts = prompts_long()[:4]
+    temps, seeds = [0.0, 1.0, 0.0, 0.9], [0, 5, 0, 8]
+    want = reference(prompts, temps, seeds)
+    stop = want[2][4]
+    reqs = lambda: [Request(list(p), max_new_tokens=N_NEW, temperature=t, seed=s,
+                            stop_tokens=[stop] if i == 2 else [])
+                    for i, (p, t, s) in enumerate(zip(prompts, temps, seeds))]
+    got = {}
+    for k in (8, 1):
+        eng = engine(max_tokens_per_step=512, decode_steps=k, async_scheduling=async_scheduling)
+        got[k] = [o.tokens for o in eng.generate(reqs())]
+        m = eng.last_run
+        if k == 8:
+            assert m.mean_decode_steps > 2 and m.decode_calls < N_NEW - 1, m
+        else:
+            assert m.mean_decode_steps == 1
+    cut = want[2].index(stop) + 1
+    expect = [want[0], want[1], want[2][:cut], want[3]]
+    assert got[8] == expect and got[1] == expect
+
+
 def test_sampled_requests_equal_generate_with_same_seed():
     """Per-request temperature / top-k / top-p / seed: counter-based keys make engine draws equal generate()'s
     (mixed greedy and sampled rows), and the stream's pieces add up to the outputs."""
@@ -270,6 +297,10 @@ def test_radix_cache_and_pages():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_scheduler_simulation_invariants(seed):
+    simulate_scheduler(seed)
+
+
+def simulate_scheduler(seed):
     """Host-only simulation of the scheduler (no device) under random configs, pool sizes,
     prefix sharing and async lag, with tokens a fixed function of (request, position): every
     step respects the token budget, the chosen prefill shape and page coverage, slots and
@@ -294,9 +325,11 @@ def test_scheduler_simulation_invariants(seed):
     num_pages = 1 + -(-longest // ps) + int(rng.integers(0, 8))
     pages = PageAllocator(num_pages)
     cache = RadixCache(ps, pages) if use_cache else None
+    K = int(rng.choice([1, 3, 8]))         # decode steps per device call
     sched = Scheduler(max_batch=max_batch, max_tokens_per_step=budget, prefill_shapes=shapes,
                       page_size=ps, max_pages=-(-longest // ps), pages=pages, cache=cache,
-                      replay_tokens=int(rng.choice([4, 16, 40])) if rng.integers(2) else None)
+                      replay_tokens=int(rng.choice([4, 16, 40])) if rng.integers(2) else None,
+                      decode_steps=K)
 
     def token(i, pos):          # the "model": a fixed token per (request, position)
         return int((i * 7919 + pos * 104729) % 50)
@@ -311,13 +344,20 @@ def test_scheduler_simulation_invariants(seed):
 
     for i, r in enumerate(reqs):
         sched.add(Seq(r, i, list(r.tokens), frozenset(r.stop_tokens), 0.0))
-    pending, steps = None, 0
+    pending, steps, multi = None, 0, 1
     while sched.has_work() or pending:
+        preempted = sched.preemptions
         plan = sched.schedule()
         steps += 1
         assert steps < 5000, "no progress"
         rows = plan.prefill + plan.decode
-        assert sum(r.n for r in rows) <= budget
+        assert sum(r.n for r in plan.prefill) + len(plan.decode) <= budget
+        assert all(1 <= r.n <= plan.decode_steps <= K for r in plan.decode)
+        if plan.decode_steps > 1 and sched.preemptions == preempted:
+            # several steps only while nothing prefills and nothing is admissible (a preemption
+            # during this plan's page allocation may free a slot and admit a request)
+            assert not plan.prefill and not (sched.waiting and sched.free_slots)
+        multi = max(multi, plan.decode_steps)
         if plan.prefill:
             assert plan.prefill_shape in shapes and len(plan.prefill) <= plan.prefill_shape[0]
             assert max(r.n for r in plan.prefill) <= plan.prefill_shape[1]
@@ -333,20 +373,33 @@ def test_scheduler_simulation_invariants(seed):
             assert r.start + r.n <= len(known)
             assert r.seq.ext[r.start:r.start + r.n] == known[r.start:r.start + r.n]
         sched.commit_plan(plan)
-        outs = [r for r in rows if r.samples]
+        outs = [r for r in plan.prefill if r.samples]
         toks = np.array([token(r.seq.req.request_id, r.start + r.n) for r in outs])
+        dec = np.zeros((len(plan.decode), plan.decode_steps, 2), np.int32)
+        for b, r in enumerate(plan.decode):     # step i of a decode row samples position start+i+1
+            dec[b, :r.n, 0] = [token(r.seq.req.request_id, r.start + i + 1) for i in range(r.n)]
+        results = (outs, toks, plan.decode, dec)
+        apply = lambda o, t, d, x: (sched.commit_results(o, t, np.zeros(len(o)), 0.0),
+                                    sched.commit_decode_results(d, x, 0.0))
         if lag:
             if pending is not None:
-                sched.commit_results(*pending, 0.0)
-            pending = (outs, toks, np.zeros(len(outs))) if plan else None
+                apply(*pending)
+            pending = results if plan else None
         else:
-            sched.commit_results(outs, toks, np.zeros(len(outs)), 0.0)
+            apply(*results)
     done = {s.req.request_id: s for s in sched.finished}
     assert len(done) == len(reqs)
     for r in reqs:
         assert done[r.request_id].generated == expected(r), r.request_id
     held = cache.num_nodes if cache else 0
     assert pages.free_count + held == pages.capacity
+    return K, multi
+
+
+def test_scheduler_simulation_runs_multi_step_decode():
+    """The simulations above do exercise several decode steps per call."""
+    runs = [simulate_scheduler(seed) for seed in range(6, 18)]
+    assert any(multi > 1 for K, multi in runs if K > 1), runs
 
 
 def test_scalar_sampling_fast_path_agrees_with_check_sampling():

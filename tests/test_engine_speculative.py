@@ -316,3 +316,20 @@ def test_constrained_requests_run_plain_in_a_speculative_engine():
     assert [o.constraint_status for o in outs[:4]] == ["complete", "complete", None, "complete"]
     assert outs[4].finish_reason == "error" and outs[4].error.startswith("constraint:")
     assert eng.last_run.spec_row_steps > 0 and outs[2].metrics.verified
+
+
+@pytest.mark.parametrize("method", ["dspark", pytest.param("mtp", marks=pytest.mark.heavy)])
+def test_multi_step_speculative_decode_equals_generate(method):
+    """Every request admitted at once: the engine runs several verify steps per device call
+    (decode_steps = 4) and reproduces generate(..., speculative=...)'s tokens, greedy and
+    sampled, in both scheduling modes."""
+    prompts = prompts_long()[:4]
+    want, _ = spec_reference(method, prompts, TEMPS[:4], SEEDS[:4])
+    for async_scheduling in (True, False):
+        eng = engine(method, max_tokens_per_step=512, decode_steps=4,
+                     async_scheduling=async_scheduling)
+        outs = eng.generate(requests(prompts, TEMPS[:4], SEEDS[:4]))
+        assert [o.tokens for o in outs] == want
+        m = eng.last_run
+        assert m.mean_decode_steps > 1.5, m
+        assert m.spec_row_steps == sum(len(o.metrics.verified) for o in outs)

@@ -10,6 +10,17 @@ Each step: the host `Scheduler` picks decode rows and chunked-prefill rows under
 pool is full); the device runs one `step.substep` per sub-batch (prefill [rows, width] from a
 few compiled shapes, decode [Db, 1] from a few bucket sizes) with the state donated.
 
+Several decode steps per device call (`decode_steps`, default 8): while no request is
+prefilling, none could be admitted and none is constrained, a decode sub-batch runs up to
+`decode_steps` steps in one device loop (`step.decode_steps_packed`; speculative engines:
+`spec_step.spec_decode_packed(steps=)`), each row as many as it may still sample, so the host
+schedules, packs and collects once per K tokens. While requests wait for a slot, K stops at the
+first running request's max_new_tokens (its slot frees then), so a waiting request waits at
+most `decode_steps` steps longer than with one step per call. A row that samples a stop token
+inside a block runs to the block's end on the device; the host discards those tokens (as for
+the asynchronous lag below). Tokens are those of one step per call (same positions, same
+counter-based keys); `decode_steps=1` restores one step per call.
+
 Asynchronous scheduling (default): step s is dispatched, then the host reads step s-1's tokens
 and prepares step s+1 while the device runs step s; decode inputs stay on the device
 (`PagedState.last_token`), so only stop detection lags by one step (the extra token of a
@@ -115,7 +126,8 @@ from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, 
                                             buckets_up_to)
 from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_decode_packed,
                                            spec_prefill_packed)
-from deepinfer_fn.engine.step import forward_packed, sample_packed, substep_packed
+from deepinfer_fn.engine.step import (decode_steps_packed, forward_packed, sample_packed,
+                                      substep_packed)
 from deepinfer_fn import bundle
 from deepinfer_fn.params import Params, count_params
 from deepinfer_fn.speculative import registry
@@ -137,12 +149,15 @@ class StreamEvent:
 @dataclasses.dataclass
 class RunMetrics:
     """Per `generate`/`stream` call. throughput = generated tokens / wall seconds;
-    mean_decode_occupancy = mean decode rows per step / max_batch; prefill_tokens_saved =
+    mean_decode_occupancy = mean decode rows per step / max_batch; decode_calls = device
+    calls that decoded, mean_decode_steps = decode steps per such call (`decode_steps`);
+    prefill_tokens_saved =
     prompt positions not computed thanks to the prefix cache (hits minus replay);
     prefill_flops_saved ~ 2 x active parameters x saved tokens (matmul FLOPs; attention
     scores excluded). Idle figures only with Engine(measure_idle=True): device idle between
     consecutive steps = max(0, dispatch of step s+1 - completion of step s), summed over steps
-    whose shapes were already compiled."""
+    whose shapes were already compiled; idle_fraction = that idle time / (idle + device busy
+    time of those steps)."""
 
     requests: int = 0
     wall_s: float = 0.0
@@ -156,10 +171,13 @@ class RunMetrics:
     prefill_flops_saved: float = 0.0
     preemptions: int = 0
     mean_decode_occupancy: float = 0.0
+    decode_calls: int = 0
+    mean_decode_steps: float = 0.0
     throughput_tokens_per_s: float = 0.0
     idle_total_s: float = float("nan")
     idle_mean_s: float = float("nan")
     idle_steps_measured: int = 0
+    idle_fraction: float = float("nan")
     # speculative engines (docs/MODEL.md §D4.1; NaN / 0 otherwise): spec_row_steps = verify
     # steps summed over rows; spec_verified / spec_accepted = drafts verified / accepted in
     # them; spec_committed = tokens they committed (g + 1 each, the bonus included, before the
@@ -210,14 +228,18 @@ class _IdleWatcher:
         self.q.put(None)
         self.thread.join()
 
-    def idle(self) -> tuple[float, int]:
-        total, n = 0.0, 0
+    def idle(self) -> tuple[float, int, float]:
+        """(idle seconds, steps measured, busy seconds) over consecutive compiled steps: step
+        s+1 idles max(0, dispatch - ready of s) and is busy from max(dispatch, ready of s) to
+        its own ready."""
+        total, n, busy = 0.0, 0, 0.0
         for (d0, r0, c0), (d1, r1, c1) in zip(self.records, self.records[1:]):
             if c0 or c1:
                 continue
             total += max(0.0, d1 - r0)
+            busy += max(0.0, r1 - max(d1, r0))
             n += 1
-        return total, n
+        return total, n, busy
 
 
 class Engine:
@@ -234,7 +256,8 @@ class Engine:
     widths chunk and chunk // 4, (budget // width rows, width)); decode_buckets: decode row
     counts to compile (default powers of two up to max_batch). Every shape is one compiled
     sub-step (`warmup()` compiles them all up front).
-    prefix_cache, replay_tokens (None = exact mode): module docstring; async_scheduling: on by
+    prefix_cache, replay_tokens (None = exact mode): module docstring; decode_steps: the most
+    decode steps one device call runs (module docstring); async_scheduling: on by
     default; progress: a tqdm bar; measure_idle: record device idle time between steps;
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
     the defaults of `tokenizer=` and `drafter=`.
@@ -262,7 +285,7 @@ class Engine:
                  window_slots: int | None = None, progress: bool = True,
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
-                 verify_cost=None, verify_widths=None):
+                 verify_cost=None, verify_widths=None, decode_steps: int = 8):
         params, drafter, tokenizer = bundle.unpack(params, speculative=speculative,
                                                    drafter=drafter, tokenizer=tokenizer,
                                                    where="Engine")
@@ -272,7 +295,8 @@ class Engine:
         if page_size is None:
             page_size = math.lcm(*ratios) if ratios else 16
         check_page_size(cfg, page_size)
-        for name, v in (("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step)):
+        for name, v in (("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step),
+                        ("decode_steps", decode_steps)):
             positive_int("Engine", name, v)
         for name, v in (("max_len", max_len), ("num_pages", num_pages),
                         ("prefill_chunk", prefill_chunk), ("window_slots", window_slots)):
@@ -327,7 +351,8 @@ class Engine:
                                    prefill_shapes=prefill_shapes, page_size=page_size,
                                    max_pages=max_pages, pages=self.pages, cache=self.cache,
                                    replay_tokens=replay_tokens,
-                                   spec_width=gamma + 1 if gamma else 0)
+                                   spec_width=gamma + 1 if gamma else 0,
+                                   decode_steps=decode_steps)
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
@@ -439,7 +464,7 @@ class Engine:
         of each request."""
         sched = self.scheduler
         t0 = time.perf_counter()
-        base = dict(steps=0, decode_rows=0, pre=sched.preemptions, hit=sched.cache_hit_tokens,
+        base = dict(steps=0, decode_rows=0, decode_calls=0, decode_steps=0, pre=sched.preemptions, hit=sched.cache_hit_tokens,
                     prefill=sched.prefill_tokens, spec=self._spec_counters())
         seqs, emitted, pending_events, deferred = [], {}, [], []
         for i, r in enumerate(reqs):
@@ -480,6 +505,9 @@ class Engine:
                 if outs is not None:
                     base["steps"] += 1
                     base["decode_rows"] += len(plan.decode)
+                    if plan.decode:
+                        base["decode_calls"] += 1
+                        base["decode_steps"] += plan.decode_steps
                 collected = pending is not None
                 if pending is not None:
                     yield from self._collect(pending, emitted, bar, partial_events)
@@ -515,7 +543,7 @@ class Engine:
             self._set_spec_mode(True)
             if bar is not None:
                 bar.close()
-            idle = watcher.idle() if watcher else (float("nan"), 0)
+            idle = watcher.idle() if watcher else (float("nan"), 0, float("nan"))
             if watcher:
                 watcher.close()
             self._record_run(seqs, t0, base, idle)
@@ -564,7 +592,7 @@ class Engine:
         from deepinfer_fn import structured
         failed = []
         for entry in outs:
-            rows, out, packed, logits = entry
+            rows, out, packed, logits = entry[:4]
             if out is not None:
                 continue
             masks = np.full((packed.shape[0], structured.mask_words(self.cfg.vocab_size)),
@@ -620,6 +648,9 @@ class Engine:
             elif any(row.samples and row.seq.matcher is not None for row in rows):
                 self.state, logits = forward_packed(self.params, self.state, packed)
                 outs.append([rows, None, packed, logits])
+            elif is_decode and self.scheduler.decode_steps > 1:
+                self.state, out = self._decode(packed)
+                outs.append([rows, out, None, None, "multi"])
             else:
                 self.state, out = substep_packed(self.params, self.state, packed)
                 outs.append([rows, out, None, None])
@@ -640,7 +671,10 @@ class Engine:
             out = np.asarray(out)[:len(rows)]           # waits for this step (the only sync)
             now = time.perf_counter()
             if rest[-1:] == ["spec"]:
-                self.scheduler.commit_spec_results(rows, out, now)
+                self.scheduler.commit_spec_steps(rows, out, now)
+                continue
+            if rest[-1:] == ["multi"]:
+                self.scheduler.commit_decode_results(rows, out, now)
                 continue
             self.scheduler.commit_results(rows, out[:, 0].tolist(),
                                           out.view(np.float32)[:, 1].tolist(), now)
@@ -710,9 +744,12 @@ class Engine:
             prefill_flops_saved=2.0 * self._active_params * saved,
             preemptions=sched.preemptions - base["pre"],
             mean_decode_occupancy=base["decode_rows"] / max(steps, 1) / self.max_batch,
+            decode_calls=base["decode_calls"],
+            mean_decode_steps=base["decode_steps"] / max(base["decode_calls"], 1),
             throughput_tokens_per_s=gen / wall if wall > 0 else 0.0,
             idle_total_s=idle[0], idle_mean_s=idle[0] / idle[1] if idle[1] else float("nan"),
-            idle_steps_measured=idle[1])
+            idle_steps_measured=idle[1],
+            idle_fraction=idle[0] / (idle[0] + idle[2]) if idle[1] else float("nan"))
         rows, ver, acc, com = (a - b for a, b in zip(self._spec_counters(), base["spec"]))
         if self.gamma:
             nan = float("nan")
@@ -728,20 +765,32 @@ class Engine:
         """The jitted call of a sub-step of n rows with prefill tokens of `width` (None:
         decode) on all-padding inputs, as a precompile job."""
         packed = self.scheduler.pack([], n, width)
+        if not self.gamma and width is None and self.scheduler.decode_steps > 1:
+            return Job(decode_steps_packed, (self.params, self.state, packed),
+                       dict(steps=self.scheduler.decode_steps))
         if not self.gamma:
             return Job(substep_packed, (self.params, self.state, packed))
         if width is None:
             verify_len, sched = self._verify[n]
             return Job(spec_decode_packed, (self.params, self.drafter, self.state, packed, sched),
-                       dict(drafter=self._kind, k=self.gamma, verify_len=verify_len))
+                       dict(drafter=self._kind, k=self.gamma, verify_len=verify_len,
+                            steps=self.scheduler.decode_steps))
         return Job(spec_prefill_packed, (self.params, self.drafter, self.state, packed),
                    dict(drafter=self._kind, k=self.gamma))
 
+    def _decode(self, packed):
+        """A plain decode sub-batch of up to `decode_steps` steps (`step.decode_steps_packed`):
+        (state, out int32 [Db, decode_steps, 2])."""
+        return decode_steps_packed(self.params, self.state, packed,
+                                   steps=self.scheduler.decode_steps)
+
     def _spec_decode(self, packed):
-        """A speculative decode sub-batch (`spec_step.spec_decode_packed`): (state, out)."""
+        """A speculative decode sub-batch of up to `decode_steps` verify steps
+        (`spec_step.spec_decode_packed`): (state, out int32 [Db, decode_steps, 2(γ+1) + 4])."""
         verify_len, sched = self._verify[packed.shape[0]]
         return spec_decode_packed(self.params, self.drafter, self.state, packed, sched,
-                                  drafter=self._kind, k=self.gamma, verify_len=verify_len)
+                                  drafter=self._kind, k=self.gamma, verify_len=verify_len,
+                                  steps=self.scheduler.decode_steps)
 
     def _spec_prefill(self, packed):
         """A speculative prefill sub-batch (`spec_step.spec_prefill_packed`): (state, out)."""
@@ -757,7 +806,9 @@ class Engine:
         precompile([self._substep_job(n, width) for n, width in shapes], threads)
         for n, width in shapes:
             packed = self.scheduler.pack([], n, width)
-            if not self.gamma:
+            if not self.gamma and width is None and self.scheduler.decode_steps > 1:
+                self.state, _ = self._decode(packed)
+            elif not self.gamma:
                 self.state, _ = substep_packed(self.params, self.state, packed)
             elif width is None:
                 self.state, _ = self._spec_decode(packed)

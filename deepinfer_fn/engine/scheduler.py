@@ -101,6 +101,7 @@ class StepPlan:
     prefill: list[Row]
     decode: list[Row]
     prefill_shape: tuple[int, int] = (0, 0)     # (rows, width) of the prefill sub-batch
+    decode_steps: int = 1       # decode steps of this plan's device call (row.n <= this)
 
     def __bool__(self):
         return bool(self.prefill or self.decode)
@@ -132,8 +133,10 @@ class Scheduler:
     def __init__(self, *, max_batch: int, max_tokens_per_step: int,
                  prefill_shapes: tuple[tuple[int, int], ...], page_size: int, max_pages: int,
                  pages: PageAllocator, cache: RadixCache | None, replay_tokens: int | None,
-                 spec_width: int = 0):
+                 spec_width: int = 0, decode_steps: int = 1):
+        assert decode_steps >= 1, decode_steps
         self.max_batch, self.budget = max_batch, max_tokens_per_step
+        self.decode_steps = decode_steps      # most decode steps per device call (plain)
         self.prefill_shapes = tuple(prefill_shapes)
         self.chunk = max(w for _, w in prefill_shapes)
         self.prefill_rows = max(r for r, _ in prefill_shapes)
@@ -285,20 +288,47 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ one step
+    def _remaining(self, seq: Seq) -> int:
+        """Tokens the request may still sample beyond those known or in flight."""
+        return seq.req.max_new_tokens - len(seq.generated) - seq.in_flight
+
+    def plan_decode_steps(self) -> int:
+        """Decode steps for the next device call (plain engines): `decode_steps` while no
+        request is prefilling, none could be admitted now and none is constrained (its mask
+        needs each token on the host); while requests wait for a slot, no more steps than
+        until the first running request reaches max_new_tokens (its slot frees then), so a
+        waiting request is delayed by at most `decode_steps` steps."""
+        K = self.decode_steps
+        if K == 1 or (self.waiting and self.free_slots):
+            return 1
+        live = [s for s in self.running if s.finish is None]
+        if any(s.prefilling or s.matcher is not None for s in live):
+            return 1
+        if self.waiting:
+            # speculative: a step emits 1..γ+1 tokens, so a row frees its slot after at
+            # least ceil(tokens left / (γ + 1)) more steps
+            w = self.spec_width or 1
+            left = [-(-(self._remaining(s) - (w - 1) * s.in_flight) // w)
+                    for s in live if s.wants_decode()]
+            K = min([K] + left)
+        return max(1, K)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [])
         budget, ps, decode = self.budget, self.page_size, plan.decode
         cost = self.decode_cost
+        K = plan.decode_steps = self.plan_decode_steps()
         for seq in list(self.running):
             if (len(decode) + 1) * cost > budget:
                 break
             # seq.slot is None: preempted by an earlier row's allocation this step
             if seq.slot is None or not seq.wants_decode():
                 continue
-            end = (min(seq.pos + self.spec_width, self._end_cap(seq)) if self.spec_width
-                   else seq.pos + 1)
+            n = min(K, self._remaining(seq))
+            end = (min(seq.pos + n * self.spec_width, self._end_cap(seq)) if self.spec_width
+                   else seq.pos + n)
             if end <= len(seq.pages) * ps or self._allocate(seq, end, plan, may_preempt=True):
-                decode.append(Row(seq, seq.epoch, seq.pos, 1, True))
+                decode.append(Row(seq, seq.epoch, seq.pos, n, True))
         budget -= len(decode) * cost
         if self.waiting and self.free_slots and budget > 0:
             n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
@@ -342,10 +372,10 @@ class Scheduler:
         prompt blocks that are now complete (later steps run after this one on the device)."""
         for row in plan.decode:
             seq = row.seq
-            seq.pos = (min(seq.pos + self.spec_width, self._end_cap(seq)) if self.spec_width
-                       else seq.pos + 1)
+            seq.pos = (min(seq.pos + row.n * self.spec_width, self._end_cap(seq))
+                       if self.spec_width else seq.pos + row.n)
             seq.fresh = False
-            seq.in_flight += 1
+            seq.in_flight += row.n
         for row in plan.prefill:
             seq = row.seq
             seq.pos += row.n
@@ -382,6 +412,26 @@ class Scheduler:
                 self.finish(seq, "stop")
             elif len(seq.generated) >= seq.req.max_new_tokens:
                 self.finish(seq, "length")
+
+    def commit_decode_results(self, rows: list[Row], out: np.ndarray, now: float) -> None:
+        """Applies a multi-step decode call's results: out int32 [B, K, 2] (token, logprob
+        f32 bits) per step; row b sampled its first rows[b].n steps."""
+        lps = out[..., 1].view(np.float32)
+        for i in range(out.shape[1]):
+            live = [b for b, row in enumerate(rows) if row.n > i]
+            if not live:
+                break
+            self.commit_results([rows[b] for b in live], out[live, i, 0].tolist(),
+                                lps[live, i].tolist(), now)
+
+    def commit_spec_steps(self, rows: list[Row], out: np.ndarray, now: float) -> None:
+        """Applies a speculative decode call's results out int32 [B, K, 2(γ+1) + 4], step by
+        step (row b ran its first rows[b].n steps)."""
+        for i in range(out.shape[1]):
+            live = [b for b, row in enumerate(rows) if row.n > i]
+            if not live:
+                break
+            self.commit_spec_results([rows[b] for b in live], out[live, i], now)
 
     def commit_spec_results(self, rows: list[Row], out: np.ndarray, now: float) -> None:
         """Applies one speculative decode sub-step's results: out int32 [B, 2K + 4] (K = γ+1)

@@ -131,14 +131,10 @@ def schedule_args(drafter: Drafter, weights, k: int, verify_len: str, verify_cos
         jnp.float32(0), jnp.bool_(False))
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "k", "verify_len"), donate_argnums=(2,))
-def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, drafter: Drafter,
-                       k: int, verify_len: VerifyLen):
-    """One speculative decode sub-batch (module docstring). packed int32 [Db, PACK_HEAD +
-    max_pages] (`Scheduler.pack` of decode rows); weights: the drafter's (or None); sched and
-    verify_len: `schedule_args`; k = γ (drafts per step). Returns (state, out int32
+def _spec_decode_step(params, weights, state: PagedState, meta, fparams, bt, sched, *,
+                      drafter: Drafter, k: int, verify_len: VerifyLen):
+    """One verify step of the rows `meta` (slot max_batch: inactive). Returns (state, out int32
     [Db, 2(k+1) + 4])."""
-    meta, fparams, bt, _ = unpack(packed, state.max_pages)
     slot, row_floor = meta[:, 0], meta[:, 3]
     sampling = unpack_sampling(meta, fparams)
     sp = dict(state.spec)
@@ -160,3 +156,33 @@ def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, dra
     out = jnp.concatenate([o.tokens, jax.lax.bitcast_convert_type(o.logprobs, jnp.int32),
                            jnp.stack([o.n_emit, o.g, o.ell, P + o.n_emit], axis=1)], axis=1)
     return state, out
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "k", "verify_len", "steps"),
+                   donate_argnums=(2,))
+def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, drafter: Drafter,
+                       k: int, verify_len: VerifyLen, steps: int = 1):
+    """Up to `steps` speculative decode steps of a sub-batch in one device call (module
+    docstring). packed int32 [Db, PACK_HEAD + max_pages] (`Scheduler.pack` of decode rows; its
+    n_new column: each row's step count n_b <= steps); weights: the drafter's (or None); sched
+    and verify_len: `schedule_args`; k = γ (drafts per step). Step i runs the rows with n_b > i
+    (and budget left). Returns (state, out int32 [Db, steps, 2(k+1) + 4]); entries of steps a
+    row did not run are zero (n_emit = 0)."""
+    assert steps >= 1, steps
+    meta, fparams, bt, _ = unpack(packed, state.max_pages)
+    n_steps = meta[:, 2]
+    width = 2 * (k + 1) + 4
+
+    def body(i, carry):
+        state, out = carry
+        active = i < n_steps
+        m = meta.at[:, 0].set(jnp.where(active, meta[:, 0], state.max_batch))
+        state, step_out = _spec_decode_step(params, weights, state, m, fparams, bt, sched,
+                                            drafter=drafter, k=k, verify_len=verify_len)
+        step_out = jnp.where(active[:, None], step_out, 0)
+        return state, jax.lax.dynamic_update_slice(out, step_out[:, None], (0, i, 0))
+
+    out = jnp.zeros((meta.shape[0], steps, width), jnp.int32)
+    if steps == 1:
+        return body(0, (state, out))
+    return jax.lax.fori_loop(0, jnp.minimum(jnp.max(n_steps), steps), body, (state, out))

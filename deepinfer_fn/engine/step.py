@@ -212,6 +212,37 @@ def substep_packed(params, state: PagedState, packed):
     return state, out
 
 
+@functools.partial(jax.jit, static_argnames=("steps",), donate_argnums=(1,))
+def decode_steps_packed(params, state: PagedState, packed, *, steps: int):
+    """Up to `steps` decode steps of a sub-batch in ONE device call: packed as a decode
+    `substep_packed` (S = 0) whose n_new column holds each row's step count n_b <= steps. Step
+    i feeds every row with n_b > i its slot's `last_token` at position start + i, exactly as i
+    + 1 consecutive `substep_packed` calls would (same sampling keys); rows with n_b <= i are
+    masked out (their slot is dropped from gathers and scatters). The loop runs max(n_b)
+    iterations. Returns (state, out int32 [B, steps, 2] = (token, logprob f32 bits) per step;
+    entries past a row's n_b are zero)."""
+    meta, fparams, bt, _ = unpack(packed, state.max_pages)
+    assert steps >= 1, steps
+    n_steps = meta[:, 2]
+    B = meta.shape[0]
+
+    def body(i, carry):
+        state, out = carry
+        active = i < n_steps
+        m = meta.at[:, 0].set(jnp.where(active, meta[:, 0], state.max_batch))
+        m = m.at[:, 1].add(i).at[:, 2].set(active.astype(jnp.int32))
+        m = m.at[:, 4].set(jnp.where(i == 0, meta[:, 4], 0))
+        state, sampled, logp = _substep(params, state, m, fparams, bt, None, False)
+        step_out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
+        step_out = jnp.where(active[:, None], step_out, 0)
+        out = jax.lax.dynamic_update_slice(out, step_out[:, None], (0, i, 0))
+        return state, out
+
+    out = jnp.zeros((B, steps, 2), jnp.int32)
+    trips = jnp.minimum(jnp.max(n_steps), steps)
+    return jax.lax.fori_loop(0, trips, body, (state, out))
+
+
 # --- constrained sub-batches (structured output): forward and masked sampling, split ----------
 
 

@@ -1,0 +1,160 @@
+"""The offline engine against `generate`'s device-side decode loop on the same work.
+
+Work per concurrency N: 4 N requests of --prompt-len tokens, --new greedy tokens each, no stop
+token. `generate` runs them as 4 batches of N rows (one call each: prefill + its decode loop);
+the engine runs them all with max_batch = N (a prefill sub-batch of N rows, decode bucket N,
+prefix cache off), so both do the same prefills and decode steps. Compilation is excluded
+(`generate` is called once before timing, `Engine.warmup()` compiles every shape). Arms:
+
+  plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call)
+  dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); default
+           model only (the `mini` preset has no trained drafter)
+
+Per engine arm: generated tok/s and its ratio to generate's, decode steps per device call,
+and device idle between steps as a fraction of device time (a second run with
+Engine(measure_idle=True)); also the share of requests whose tokens equal generate's (bf16
+numerics depend on batch composition, so this is reported, not asserted).
+
+    python benchmarks/engine_vs_generate.py --model default --concurrency 16,60 \
+        --arms plain,dspark --out benchmarks/results/engine_vs_generate_default_h200.json
+    python benchmarks/engine_vs_generate.py --model mini --concurrency 16,60 --arms plain \
+        --out benchmarks/results/engine_vs_generate_mini_h200.json
+    python benchmarks/engine_vs_generate.py --quick          # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import deepinfer_fn as di
+from deepinfer_fn.engine import Engine, Request
+
+
+def load(model: str, dtype):
+    """(params, drafter or None) of the embedded default model or the random `mini` preset."""
+    if model == "default":
+        bundle = di.load_model(dtype=dtype)
+        return bundle.params, bundle.drafter
+    from decode import device_params
+    return device_params(di.ModelConfig.preset("mini"), dtype), None
+
+
+def prompts(model: str, n: int, length: int, vocab: int) -> np.ndarray:
+    """int32 [n, length]: standard-library text for the default model, random ids for mini."""
+    if model == "default":
+        from speculative import make_prompts
+        return make_prompts(n, length)
+    return np.random.default_rng(0).integers(2, vocab, (n, length)).astype(np.int32)
+
+
+def time_generate(params, rows, N, new, spec_kw, repeats):
+    """(median seconds, tokens) of `generate` over the rows in batches of N."""
+    batches = [rows[i:i + N] for i in range(0, len(rows), N)]
+    call = lambda b: np.asarray(di.generate(params, b, max_new_tokens=new, **spec_kw).tokens)
+    call(batches[0])                                   # compile
+    walls, toks = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        toks = np.concatenate([call(b) for b in batches])
+        walls.append(time.perf_counter() - t0)
+    return float(np.median(walls)), toks
+
+
+def engine_arm(params, rows, N, new, steps, spec_kw, repeats, measure_idle):
+    """Median wall seconds, the last run's metrics and tokens of an engine arm."""
+    P = rows.shape[1]
+    eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=((N, P),),
+                 decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
+                 decode_steps=steps, measure_idle=measure_idle, **spec_kw)
+    eng.warmup()
+    reqs = lambda: [Request(r.tolist(), max_new_tokens=new, request_id=i)
+                    for i, r in enumerate(rows)]
+    eng.generate(reqs()[:N])                          # first run: host-side caches warm
+    walls, outs = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = eng.generate(reqs())
+        walls.append(time.perf_counter() - t0)
+    bad = [o for o in outs if o.finish_reason != "length"]
+    assert not bad, (len(bad), bad[0].finish_reason, bad[0].error)
+    return float(np.median(walls)), eng.last_run, [o.tokens for o in outs]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("default", "mini"), default="default")
+    ap.add_argument("--concurrency", default="16,60")
+    ap.add_argument("--arms", default="plain,dspark")
+    ap.add_argument("--requests-per-slot", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: N = 4, 8 new tokens")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.new, args.repeats, args.prompt_len = "4", 8, 1, 32
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    params, drafter = load(args.model, getattr(jnp, args.dtype))
+    arms = args.arms.split(",")
+    if "dspark" in arms and drafter is None:
+        print(f"NOTE: no DSpark drafter for --model {args.model}: dspark arm skipped")
+        arms = [a for a in arms if a != "dspark"]
+    device = jax.devices()[0].device_kind
+    out = dict(device=device, host=platform.node(), model=args.model, dtype=args.dtype,
+               prompt_len=args.prompt_len, new=args.new, decode_steps=args.decode_steps,
+               repeats=args.repeats, results=[])
+    print(f"{device}: model {args.model} ({args.dtype}), prompts {args.prompt_len}, "
+          f"{args.new} new tokens, decode_steps {args.decode_steps}", flush=True)
+    for N in (int(x) for x in args.concurrency.split(",")):
+        rows = prompts(args.model, args.requests_per_slot * N, args.prompt_len,
+                       params.config.vocab_size)
+        n_tok = len(rows) * args.new
+        for arm in arms:
+            spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
+            g_wall, g_toks = time_generate(params, rows, N, args.new, spec_kw, args.repeats)
+            res = dict(N=N, arm=arm, requests=len(rows),
+                       generate_tok_s=n_tok / g_wall, generate_wall_s=g_wall)
+            print(f"N={N:3d} {arm:6s} generate          {n_tok / g_wall:10.1f} tok/s", flush=True)
+            for steps in dict.fromkeys((args.decode_steps, 1)):
+                wall, m, toks = engine_arm(params, rows, N, args.new, steps, spec_kw,
+                                           args.repeats, False)
+                _, mi, _ = engine_arm(params, rows, N, args.new, steps, spec_kw, 1, True)
+                same = float(np.mean([t == g.tolist() for t, g in zip(toks, g_toks)]))
+                key = f"engine_steps{steps}"
+                res[key] = dict(tok_s=n_tok / wall, wall_s=wall, ratio=g_wall / wall,
+                                decode_calls=m.decode_calls,
+                                mean_decode_steps=m.mean_decode_steps, steps=m.steps,
+                                idle_fraction=mi.idle_fraction, idle_total_s=mi.idle_total_s,
+                                idle_steps_measured=mi.idle_steps_measured,
+                                same_tokens_as_generate=same,
+                                tau=m.tau, acceptance_rate=m.acceptance_rate)
+                print(f"N={N:3d} {arm:6s} engine steps/call {steps}: {n_tok / wall:10.1f} tok/s "
+                      f"({g_wall / wall:.3f}x generate)  {m.mean_decode_steps:.2f} decode steps"
+                      f"/call over {m.decode_calls} calls  idle {mi.idle_fraction:.3%} of device "
+                      f"time  same tokens {same:.2f}", flush=True)
+            out["results"].append(res)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
