@@ -20,6 +20,7 @@ numerics depend on batch composition, so this is reported, not asserted).
     python benchmarks/engine_vs_generate.py --model mini --concurrency 16,60 --arms plain \
         --out benchmarks/results/engine_vs_generate_mini_h200.json
     python benchmarks/engine_vs_generate.py --quick          # CPU smoke run
+    bash benchmarks/engine_table.sh DIR      # GPU: one process per (N, arm), compiled in parallel
 """
 
 from __future__ import annotations
@@ -59,37 +60,51 @@ def prompts(model: str, n: int, length: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(0).integers(2, vocab, (n, length)).astype(np.int32)
 
 
-def time_generate(params, rows, N, new, spec_kw, repeats):
-    """(median seconds, tokens) of `generate` over the rows in batches of N."""
+def generate_arm(params, rows, N, new, spec_kw):
+    """A timed callable running `generate` over the rows in batches of N (compiled here)."""
     batches = [rows[i:i + N] for i in range(0, len(rows), N)]
     call = lambda b: np.asarray(di.generate(params, b, max_new_tokens=new, **spec_kw).tokens)
     call(batches[0])                                   # compile
-    walls, toks = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        toks = np.concatenate([call(b) for b in batches])
-        walls.append(time.perf_counter() - t0)
-    return float(np.median(walls)), toks
+    return lambda: np.concatenate([call(b) for b in batches])
 
 
-def engine_arm(params, rows, N, new, steps, spec_kw, repeats, measure_idle):
-    """Median wall seconds, the last run's metrics and tokens of an engine arm."""
+def engine_for(params, rows, N, new, steps, spec_kw):
+    """An Engine for the work (every shape compiled, host caches warm)."""
     P = rows.shape[1]
     eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=((N, P),),
                  decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
-                 decode_steps=steps, measure_idle=measure_idle, **spec_kw)
+                 decode_steps=steps, **spec_kw)
     eng.warmup()
-    reqs = lambda: [Request(r.tolist(), max_new_tokens=new, request_id=i)
-                    for i, r in enumerate(rows)]
-    eng.generate(reqs()[:N])                          # first run: host-side caches warm
-    walls, outs = [], None
+    eng.generate(requests(rows[:N], new))
+    return eng
+
+
+def requests(rows, new):
+    return [Request(r.tolist(), max_new_tokens=new, request_id=i) for i, r in enumerate(rows)]
+
+
+def timed(fn, repeats):
+    """(median wall seconds, the last result)."""
+    walls, out = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = eng.generate(reqs())
+        out = fn()
         walls.append(time.perf_counter() - t0)
-    bad = [o for o in outs if o.finish_reason != "length"]
-    assert not bad, (len(bad), bad[0].finish_reason, bad[0].error)
-    return float(np.median(walls)), eng.last_run, [o.tokens for o in outs]
+    return float(np.median(walls)), out
+
+
+def wait_for(paths, timeout_s=3600.0):
+    t0 = time.time()
+    while not all(os.path.exists(p) for p in paths):
+        if time.time() - t0 > timeout_s:
+            raise TimeoutError(f"waited {timeout_s} s for {paths}")
+        time.sleep(0.2)
+
+
+def touch(path):
+    if path:
+        with open(path, "w"):
+            pass
 
 
 def main():
@@ -104,8 +119,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: N = 4, 8 new tokens")
+    ap.add_argument("--engine-steps", default=None,
+                    help="plain arm: comma list of decode_steps engines (default: K,1)")
+    ap.add_argument("--compiled-file", default=None, help="touched once everything compiled")
+    ap.add_argument("--wait-for", nargs="*", default=[], help="files to wait for before timing")
+    ap.add_argument("--done-file", default=None, help="touched after timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.engine_steps = tuple(dict.fromkeys(
+        int(x) for x in (args.engine_steps or f"{args.decode_steps},1").split(",")))
     if args.quick:
         args.concurrency, args.new, args.repeats, args.prompt_len = "4", 8, 1, 32
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -121,34 +143,51 @@ def main():
                repeats=args.repeats, results=[])
     print(f"{device}: model {args.model} ({args.dtype}), prompts {args.prompt_len}, "
           f"{args.new} new tokens, decode_steps {args.decode_steps}", flush=True)
+    setups = []                 # compile everything first (timing behind --wait-for)
     for N in (int(x) for x in args.concurrency.split(",")):
         rows = prompts(args.model, args.requests_per_slot * N, args.prompt_len,
                        params.config.vocab_size)
-        n_tok = len(rows) * args.new
         for arm in arms:
             spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
-            g_wall, g_toks = time_generate(params, rows, N, args.new, spec_kw, args.repeats)
-            res = dict(N=N, arm=arm, requests=len(rows),
-                       generate_tok_s=n_tok / g_wall, generate_wall_s=g_wall)
-            print(f"N={N:3d} {arm:6s} generate          {n_tok / g_wall:10.1f} tok/s", flush=True)
-            for steps in dict.fromkeys((args.decode_steps, 1)):
-                wall, m, toks = engine_arm(params, rows, N, args.new, steps, spec_kw,
-                                           args.repeats, False)
-                _, mi, _ = engine_arm(params, rows, N, args.new, steps, spec_kw, 1, True)
-                same = float(np.mean([t == g.tolist() for t, g in zip(toks, g_toks)]))
-                key = f"engine_steps{steps}"
-                res[key] = dict(tok_s=n_tok / wall, wall_s=wall, ratio=g_wall / wall,
-                                decode_calls=m.decode_calls,
-                                mean_decode_steps=m.mean_decode_steps, steps=m.steps,
-                                idle_fraction=mi.idle_fraction, idle_total_s=mi.idle_total_s,
-                                idle_steps_measured=mi.idle_steps_measured,
-                                same_tokens_as_generate=same,
-                                tau=m.tau, acceptance_rate=m.acceptance_rate)
-                print(f"N={N:3d} {arm:6s} engine steps/call {steps}: {n_tok / wall:10.1f} tok/s "
-                      f"({g_wall / wall:.3f}x generate)  {m.mean_decode_steps:.2f} decode steps"
-                      f"/call over {m.decode_calls} calls  idle {mi.idle_fraction:.3%} of device "
-                      f"time  same tokens {same:.2f}", flush=True)
-            out["results"].append(res)
+            t0 = time.perf_counter()
+            gen = generate_arm(params, rows, N, args.new, spec_kw)
+            t1 = time.perf_counter()
+            steps = (args.decode_steps,) if arm == "dspark" else args.engine_steps
+            engines = {k: engine_for(params, rows, N, args.new, k, spec_kw) for k in steps}
+            t2 = time.perf_counter()
+            print(f"N={N:3d} {arm:6s} compiled: generate {t1 - t0:.1f} s, engine "
+                  f"{t2 - t1:.1f} s", flush=True)
+            setups.append((N, arm, rows, gen, engines, t1 - t0, t2 - t1))
+    touch(args.compiled_file)
+    wait_for(args.wait_for)
+    for N, arm, rows, gen, engines, c_gen, c_eng in setups:
+        n_tok = len(rows) * args.new
+        g_wall, g_toks = timed(gen, args.repeats)
+        res = dict(N=N, arm=arm, requests=len(rows), generate_tok_s=n_tok / g_wall,
+                   generate_wall_s=g_wall, compile_generate_s=c_gen, compile_engines_s=c_eng)
+        print(f"N={N:3d} {arm:6s} generate          {n_tok / g_wall:10.1f} tok/s", flush=True)
+        for steps, eng in engines.items():
+            wall, outs = timed(lambda: eng.generate(requests(rows, args.new)), args.repeats)
+            m = eng.last_run
+            bad = [o for o in outs if o.finish_reason != "length"]
+            assert not bad, (len(bad), bad[0].finish_reason, bad[0].error)
+            eng.measure_idle = True
+            eng.generate(requests(rows, args.new))
+            mi = eng.last_run
+            eng.measure_idle = False
+            same = float(np.mean([o.tokens == g.tolist() for o, g in zip(outs, g_toks)]))
+            res[f"engine_steps{steps}"] = dict(
+                tok_s=n_tok / wall, wall_s=wall, ratio=g_wall / wall,
+                decode_calls=m.decode_calls, mean_decode_steps=m.mean_decode_steps,
+                steps=m.steps, idle_fraction=mi.idle_fraction, idle_total_s=mi.idle_total_s,
+                idle_steps_measured=mi.idle_steps_measured, idle_run_tok_s=mi.throughput_tokens_per_s,
+                same_tokens_as_generate=same, tau=m.tau, acceptance_rate=m.acceptance_rate)
+            print(f"N={N:3d} {arm:6s} engine steps/call {steps}: {n_tok / wall:10.1f} tok/s "
+                  f"({g_wall / wall:.3f}x generate)  {m.mean_decode_steps:.2f} decode steps"
+                  f"/call over {m.decode_calls} calls  idle {mi.idle_fraction:.3%} of device "
+                  f"time  same tokens {same:.2f}", flush=True)
+        out["results"].append(res)
+    touch(args.done_file)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
