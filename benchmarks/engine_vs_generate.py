@@ -143,30 +143,48 @@ def main():
                repeats=args.repeats, results=[])
     print(f"{device}: model {args.model} ({args.dtype}), prompts {args.prompt_len}, "
           f"{args.new} new tokens, decode_steps {args.decode_steps}", flush=True)
-    setups = []                 # compile everything first (timing behind --wait-for)
-    for N in (int(x) for x in args.concurrency.split(",")):
-        rows = prompts(args.model, args.requests_per_slot * N, args.prompt_len,
-                       params.config.vocab_size)
-        for arm in arms:
-            spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
-            t0 = time.perf_counter()
-            gen = generate_arm(params, rows, N, args.new, spec_kw)
+    barriers = bool(args.compiled_file or args.wait_for)
+
+    def setups():
+        """(N, arm, rows, generate callable, engine factories), compiled lazily per item."""
+        for N in (int(x) for x in args.concurrency.split(",")):
+            rows = prompts(args.model, args.requests_per_slot * N, args.prompt_len,
+                           params.config.vocab_size)
+            for arm in arms:
+                spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
+                steps = (args.decode_steps,) if arm == "dspark" else args.engine_steps
+                yield N, arm, rows, spec_kw, steps
+
+    def compiled(item):
+        N, arm, rows, spec_kw, steps = item
+        t0 = time.perf_counter()
+        gen = generate_arm(params, rows, N, args.new, spec_kw)
+        print(f"N={N:3d} {arm:6s} generate compiled in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        engines = {}
+        for k in steps:
             t1 = time.perf_counter()
-            steps = (args.decode_steps,) if arm == "dspark" else args.engine_steps
-            engines = {k: engine_for(params, rows, N, args.new, k, spec_kw) for k in steps}
-            t2 = time.perf_counter()
-            print(f"N={N:3d} {arm:6s} compiled: generate {t1 - t0:.1f} s, engine "
-                  f"{t2 - t1:.1f} s", flush=True)
-            setups.append((N, arm, rows, gen, engines, t1 - t0, t2 - t1))
-    touch(args.compiled_file)
-    wait_for(args.wait_for)
-    for N, arm, rows, gen, engines, c_gen, c_eng in setups:
+            engines[k] = (lambda k=k: engine_for(params, rows, N, args.new, k, spec_kw))
+            if barriers:
+                engines[k] = engines[k]()
+                print(f"N={N:3d} {arm:6s} engine decode_steps={k} compiled in "
+                      f"{time.perf_counter() - t1:.1f} s", flush=True)
+        return N, arm, rows, gen, engines, time.perf_counter() - t0
+
+    def measure(N, arm, rows, gen, engines, c_all):
         n_tok = len(rows) * args.new
         g_wall, g_toks = timed(gen, args.repeats)
         res = dict(N=N, arm=arm, requests=len(rows), generate_tok_s=n_tok / g_wall,
-                   generate_wall_s=g_wall, compile_generate_s=c_gen, compile_engines_s=c_eng)
+                   generate_wall_s=g_wall)
         print(f"N={N:3d} {arm:6s} generate          {n_tok / g_wall:10.1f} tok/s", flush=True)
+        out["results"].append(res)
         for steps, eng in engines.items():
+            if callable(eng):
+                t1 = time.perf_counter()
+                eng = eng()
+                res[f"compile_engine_steps{steps}_s"] = time.perf_counter() - t1
+                print(f"N={N:3d} {arm:6s} engine decode_steps={steps} compiled in "
+                      f"{time.perf_counter() - t1:.1f} s", flush=True)
             wall, outs = timed(lambda: eng.generate(requests(rows, args.new)), args.repeats)
             m = eng.last_run
             bad = [o for o in outs if o.finish_reason != "length"]
@@ -186,12 +204,26 @@ def main():
                   f"({g_wall / wall:.3f}x generate)  {m.mean_decode_steps:.2f} decode steps"
                   f"/call over {m.decode_calls} calls  idle {mi.idle_fraction:.3%} of device "
                   f"time  same tokens {same:.2f}", flush=True)
-        out["results"].append(res)
-    touch(args.done_file)
+            write(out)
+
+    def write(result):
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    if barriers:                # compile everything, then time behind the barriers
+        items = [compiled(item) for item in setups()]
+        touch(args.compiled_file)
+        wait_for(args.wait_for)
+        for item in items:
+            measure(*item)
+        touch(args.done_file)
+    else:                       # compile and time one arm after the other, printing as it goes
+        for item in setups():
+            measure(*compiled(item))
+    write(out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
         print("wrote", args.out)
 
 
