@@ -203,7 +203,8 @@ def _tokenizer(model, arg: str | None):
     if ckpt is not None and os.path.exists(os.path.join(ckpt, "tokenizer.json")):
         tok = text.load_tokenizer(ckpt)
     elif vocab == 129280:
-        tok = text.load_tokenizer()  # the real DeepSeek-V4 vocabulary
+        # the real DeepSeek-V4 vocabulary, rendering chats in the model's format
+        tok = text.load_tokenizer(chat_encoding=text.chat_encoding_of(_config(model)))
     else:
         raise UsageError(f"--model {arg}: no tokenizer.json and vocab_size {vocab} is not the "
                          "V4 vocabulary; pass a checkpoint directory with a tokenizer")

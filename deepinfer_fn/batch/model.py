@@ -89,8 +89,10 @@ def load_batch_model(model=None, *, dtype=None, speculative: str | None = None,
                                 "dspark/ next to its checkpoint); pass drafter=")
     if speculative == "mtp" and "mtp" not in bundle.speculative:
         raise ArgumentError(f"speculative='mtp': {bundle!r} has no MTP block")
-    tok = bundle.tokenizer
+    from deepinfer_fn import text
     path = _tokenizer_json(bundle)
+    # the tokenizer's own apply_chat follows the same config as the batch's encoding
+    tok = bundle.tokenizer.with_chat_encoding(text.chat_encoding_of(bundle.params.config))
     bos, eos = tok.chat_tokens()[:2]
     fmt = chat_format(family_of(bundle.params.config), path, bos, eos)
     return BatchModel(bundle.params, tok, fmt, speculative, drafter)

@@ -14,6 +14,7 @@ from deepinfer_fn.model.cached import attention_chunk
 from deepinfer_fn.model.common import linear, rms_norm
 from deepinfer_fn.model.mhc import head_collapse, sublayer_post, sublayer_pre
 from deepinfer_fn.model.moe import moe_layer
+from deepinfer_fn.model import transformer_v41
 from deepinfer_fn.state import DecodeState
 
 
@@ -47,8 +48,11 @@ def embed(params, token_ids):
 def backbone(params, token_ids, positions):
     """Final residual streams [B,T,n,D] of the whole stack (before the head collapse).
 
-    Scanned layer groups (`layer_groups.py`) run as one `lax.scan` over their repeats."""
+    Scanned layer groups (`layer_groups.py`) run as one `lax.scan` over their repeats.
+    V4.1 configs run `transformer_v41.backbone` (positions must be arange(T))."""
     cfg = params.config
+    if cfg.is_v41:
+        return transformer_v41.backbone(params, token_ids)[0]
     layers = as_stack(layer_groups(cfg), params["layers"])
     streams = embed(params, token_ids)
     for g, blk in zip(layers.groups, layers.blocks):
@@ -99,6 +103,8 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
     row_floor [B] int32 (optional): compressed rows of windows starting below this position
     are not rewritten (prefix-cache replay keeps the shared exact rows, docs/MODEL.md §7).
 
+    V4.1 configs run `transformer_v41.forward_chunk` (state: `state.V41DecodeState`).
+
     taps (layer ids, DSpark target features, docs/MODEL.md §D1.2): also return a 4th output,
     features [B,S,len(taps),D], each the residual streams averaged over the n mHC copies,
     read at the input ("pre") or the output ("post") of the tapped layer.
@@ -108,6 +114,12 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
     scan outputs. The new state has the params' grouping (a tuple state is restacked).
     """
     cfg = params.config
+    if cfg.is_v41:
+        if row_floor is not None or taps is not None:
+            raise NotImplementedError("forward_chunk: row_floor and taps are not implemented "
+                                      "for DeepSeek-V4.1")
+        return transformer_v41.forward_chunk(params, state, token_ids, n_new,
+                                             all_logits=all_logits)
     B, S = token_ids.shape
     token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1)
     start = state.lengths
@@ -172,6 +184,10 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
 
 
 def logits_and_streams(params, token_ids):
+    """(float32 logits [B,T,V], final streams [B,T,n,D]) of a whole sequence, no cache.
+    V4.1 configs run `transformer_v41.logits_and_streams`."""
+    if params.config.is_v41:
+        return transformer_v41.logits_and_streams(params, token_ids)
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     streams = backbone(params, token_ids, positions)
@@ -188,6 +204,9 @@ def mtp_block(params, streams, next_token_ids, positions, depth: int = 0):
     attention is a sliding window over the T positions given (its own window, from i = 0).
     """
     cfg = params.config
+    if cfg.is_v41:
+        raise NotImplementedError("mtp_block: V4.1 checkpoints carry a DSpark drafter, not MTP "
+                                  "blocks")
     if depth >= len(params["mtp"]):
         raise ValueError(f"these params have {len(params['mtp'])} MTP blocks; asked for #{depth}")
     mp = params["mtp"][depth]

@@ -1,0 +1,129 @@
+"""DeepSeek-V4.1 attention of a chunk of new tokens against a layer's decode state
+(docs/MODEL.md §V3; `state.V41DecodeState`).
+
+Token update order per layer: q, window KV; at a kv source the new latents and index keys are
+written into the state (code 1: row t per token; code 2: row j when token 2j+1 arrives, its
+partner from the chunk or the state's pending token); at an index source the selection (and at
+the candidate source the published blocks) over the source's rows; then one softmax over the
+window (ring entries before the chunk + the chunk's own keys), the selected rows and the sink.
+A row emitted at t is visible at t. Everything is addressed by absolute position, so the
+shared buffers are the source layers' state arrays (`model.attention_v41` for their layout).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_fn import kernels
+from deepinfer_fn.config import ModelConfig
+from deepinfer_fn.model import latents as lat
+from deepinfer_fn.model.attention import kv_projection, output_projection
+from deepinfer_fn.model.attention_v41 import query, roles_of, select
+from deepinfer_fn.model.common import rms_norm
+from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
+
+NEG_INF = -jnp.inf
+
+
+def chunk_positions(start: jax.Array, n_new: jax.Array, S: int):
+    """positions [B, S] = start + i and valid [B, S] = i < n_new."""
+    i = jnp.arange(S, dtype=jnp.int32)[None]
+    return start[:, None] + i, i < n_new[:, None]
+
+
+def _scatter_rows(buf: jax.Array, idx: jax.Array, values: jax.Array, write: jax.Array):
+    """buf [B, R, ...] with values [B, S, ...] written at idx [B, S] where `write`."""
+    B, R = buf.shape[:2]
+    idx = jnp.where(write, idx, R)                        # out of range: dropped
+    b = jnp.broadcast_to(jnp.arange(B)[:, None], idx.shape)
+    return buf.at[b, idx].set(values.astype(buf.dtype), mode="drop")
+
+
+def ring_write(buf: jax.Array, pos: jax.Array, values: jax.Array, valid: jax.Array):
+    """A ring buf [B, R, ...] with values [B, S, ...] of the valid chunk tokens written at slot
+    position % R (only the last R of them, so no slot is written twice)."""
+    slots = buf.shape[1]
+    end = jnp.max(jnp.where(valid, pos + 1, 0), axis=1)
+    return _scatter_rows(buf, pos % slots, values, valid & (pos >= end[:, None] - slots))
+
+
+def ring_read(buf: jax.Array, pos: jax.Array) -> jax.Array:
+    """Entries of a ring buf [B, R, ...] at positions pos [B, K] -> [B, K, ...]."""
+    idx = (pos % buf.shape[1]).reshape(pos.shape + (1,) * (buf.ndim - 2))
+    return jnp.take_along_axis(buf, idx, axis=1)
+
+
+def window(ls: dict, kv_new: jax.Array, pos: jax.Array, valid: jax.Array, start: jax.Array,
+           cfg: ModelConfig):
+    """(keys [B, W_slots + S, d], ok bool [B, S, W_slots + S], new ring): ring entries of
+    positions before the chunk plus the chunk's own keys, within the window of each query."""
+    W = cfg.sliding_window
+    t = pos[:, :, None]
+    rp = ls["window_pos"][:, None, :]
+    ok_ring = (rp >= 0) & (rp < start[:, None, None]) & (rp <= t) & (rp > t - W)
+    cp = pos[:, None, :]
+    ok_chunk = valid[:, None, :] & (cp <= t) & (cp > t - W)
+    keys = jnp.concatenate([ls["window_kv"], kv_new.astype(ls["window_kv"].dtype)], axis=1)
+    ok = jnp.concatenate([ok_ring, ok_chunk], axis=-1)
+    ring = {"window_kv": ring_write(ls["window_kv"], pos, kv_new, valid),
+            "window_pos": ring_write(ls["window_pos"], pos, pos, valid)}
+    return keys, ok, ring
+
+
+def source_update(p, ls: dict, x: jax.Array, pos: jax.Array, valid: jax.Array, code: int,
+                  cfg: ModelConfig) -> dict:
+    """A kv source's new state entries after the chunk x [B, S, D] (attention input):
+    rows / keys (and for code 2 the raw kappa / gate ring; a pair closing at the chunk's
+    first token takes its partner, position start - 1, from there)."""
+    eps = cfg.rms_norm_eps
+    cp = p["compressor"]
+    new = {}
+    if code == 1:
+        L, row_idx, emit = lat.source_latents(cp, x, 1, eps), pos, valid
+    else:
+        kappa, gate = lat.pair_inputs(cp, x)
+        before = pos[:, :1] - 1
+        prev_k = jnp.concatenate([ring_read(ls["pend_kv"], before).astype(kappa.dtype),
+                                  kappa[:, :-1]], 1)
+        prev_g = jnp.concatenate([ring_read(ls["pend_gate"], before), gate[:, :-1]], 1)
+        pooled = lat.pair_pool(jnp.stack([prev_k, kappa], axis=-2),
+                               jnp.stack([prev_g, gate], axis=-2))
+        L = rms_norm(pooled, cp["norm"], eps)
+        row_idx, emit = pos // 2, valid & (pos % 2 == 1)
+        new["pend_kv"] = ring_write(ls["pend_kv"], pos, kappa, valid)
+        new["pend_gate"] = ring_write(ls["pend_gate"], pos, gate, valid)
+    freqs = lat.compress_freqs(cfg)
+    row_pos = code * row_idx
+    new["rows"] = _scatter_rows(ls["rows"], row_idx, lat.rotate(L, row_pos, freqs), emit)
+    new["keys"] = _scatter_rows(ls["keys"], row_idx,
+                                lat.index_keys(p["indexer"], L, row_pos, freqs, eps), emit)
+    return new
+
+
+def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Array,
+                    kind: str, shared: dict, cfg: ModelConfig):
+    """One V4.1 layer over a chunk: x [B, S, D] (after attn_norm) at positions start + i,
+    entries i >= n_new padding. Returns (out [B, S, D], new layer state, new shared)."""
+    B, S, _ = x.shape
+    lt, roles = roles_of(kind)
+    code = lat.layer_code(cfg, lt)
+    pos, valid = chunk_positions(start, n_new, S)
+    cos, sin = rope_cos_sin(pos, rope_frequencies(cfg, lt), x.dtype)
+    q, c_q = query(p, x, cos, sin, cfg)
+    kv = kv_projection(p, x, cos, sin, cfg)
+    keys, ok, new_ls = window(ls, kv, pos, valid, start, cfg)
+    if code:
+        if "kv_source" in roles:
+            src = source_update(p, ls, x, pos, valid, code, cfg)
+            new_ls.update(src)
+            shared = {**shared, "latents": {**shared["latents"],
+                                            code: {"rows": src["rows"], "keys": src["keys"]}}}
+        if "index_source" in roles:
+            shared = select(p, c_q, x, pos, cos, sin, code, roles, shared, cfg)
+        rows = shared["latents"][code]["rows"]
+        keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=1)
+        ok = jnp.concatenate([ok, shared["selected"][code]], axis=-1)
+    bias = jnp.where(ok, 0.0, NEG_INF).astype(jnp.float32)
+    o = kernels.attention(q, keys, bias, p["sinks"])
+    return output_projection(p, o, cos, sin, cfg), new_ls, shared
