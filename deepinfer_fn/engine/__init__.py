@@ -3,5 +3,7 @@ bounded replay, asynchronous scheduling. Entry point: `Engine` (engine.py)."""
 
 from deepinfer_fn.engine.engine import Engine, RunMetrics, StreamEvent
 from deepinfer_fn.engine.request import Request, RequestMetrics, RequestOutput
+from deepinfer_fn.engine.transfer import RequestState
 
-__all__ = ["Engine", "RunMetrics", "StreamEvent", "Request", "RequestMetrics", "RequestOutput"]
+__all__ = ["Engine", "RunMetrics", "StreamEvent", "Request", "RequestMetrics", "RequestOutput",
+           "RequestState"]

@@ -101,11 +101,17 @@ only their latency suffers (no overlap with the speculative phase). Metrics: Run
 acceptance_rate, tau (tokens committed per row per verify step, bonus included),
 all_accepted_tokens_per_s (row-steps x (1 + γ) / wall, spec §4.2's "1 + γ" figure) next to the
 real throughput_tokens_per_s; RequestMetrics.verified / accepted per step.
+
+Prefill / decode separation (engine/transfer.py): `Engine.prefill(requests)` returns each
+request's state after its prefill and first token as a `RequestState` (host arrays); `generate` /
+`stream` of another engine with the same model config, page_size, window_slots, dtype and
+speculative method take such states as items and decode them (same tokens as one engine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 import threading
@@ -128,10 +134,11 @@ from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_
                                            spec_prefill_packed)
 from deepinfer_fn.engine.step import (decode_steps_packed, forward_packed, sample_packed,
                                       substep_packed)
+from deepinfer_fn.engine import transfer
 from deepinfer_fn import bundle
 from deepinfer_fn.params import Params, count_params
 from deepinfer_fn.speculative import registry
-from deepinfer_fn.errors import ArgumentError
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.validate import boolean, non_negative_int, one_of, positive_int
 
 
@@ -473,6 +480,7 @@ class Engine:
             seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
             if err is None and r.constraint is not None:
                 seq.matcher, err = self._compile(r.constraint)
+            err = self._attach_import(seq, err)     # a RequestState item (transfer.py)
             seqs.append(seq)
             if err is not None:
                 seq.finish = "error"
@@ -822,3 +830,101 @@ class Engine:
         """Drops every cached prefix block no running request holds."""
         if self.cache is not None:
             self.cache.evict(self.pages.num_pages)
+
+    # ------------------------------------------------------------------ prefill / decode separation
+    # (engine/transfer.py; hooks: `_attach_import` in `_run`, `Scheduler.on_import`,
+    # `Scheduler.on_finish` while `prefill` runs)
+    def prefill(self, requests: Iterable, *, max_new_tokens: int = 16) -> list:
+        """Runs each request's prefill and samples its first token; returns, in order, a
+        `transfer.RequestState` per request that goes on decoding (its slot and pages are then
+        released; full prompt blocks stay in the prefix cache), or the final `RequestOutput` of
+        one that ended here (an error, a stop token first, max_new_tokens 1, cancelled). Feed the
+        states to `generate` / `stream` of a compatible engine (`transfer_fingerprint`)."""
+        originals = []
+        for item in requests:
+            r = as_request(item, max_new_tokens)
+            if isinstance(r, transfer.ImportedRequest):
+                raise ArgumentTypeError("Engine.prefill: got a RequestState; pass it to "
+                                        "generate / stream to continue decoding it")
+            originals.append(r)
+        run, reqs = self._submit([transfer.PrefillRequest.of(r) for r in originals],
+                                 max_new_tokens)
+        exports, outs = {}, {}
+        self.scheduler.on_finish = functools.partial(self._export_finished, exports)
+        try:
+            for ev in self._run(run, reqs, partial_events=False):
+                if ev.output is not None:
+                    outs[ev.index] = ev.output
+        finally:
+            self.scheduler.on_finish = None
+        fp = self.transfer_fingerprint()
+        result = []
+        for i, r in enumerate(originals):
+            if i not in exports:
+                result.append(outs[i])
+                continue
+            seq, pending = exports[i]
+            rings, pages, spec, drafter, last = transfer.finish_export(pending)
+            assert last == seq.generated[-1], (last, seq.generated)
+            position = len(seq.prompt) + len(seq.generated) - 1
+            if spec:        # the host's exact counters (the device's budget was this run's 1)
+                spec = dict(length=position, left=r.max_new_tokens - len(seq.generated),
+                            step=seq.spec_steps)
+            result.append(transfer.RequestState(
+                r, np.asarray(seq.prompt, np.int32), np.asarray(seq.generated, np.int32),
+                np.asarray(seq.logprobs, np.float32), position, rings, pages, spec, drafter,
+                fp))
+        return result
+
+    def transfer_fingerprint(self) -> dict:
+        """What a `RequestState` shares with the engine that imports it (`transfer.fingerprint`)."""
+        return transfer.fingerprint(self.cfg, page_size=self.page_size,
+                                    window_slots=self.state.window_slots, dtype=self.params.dtype,
+                                    speculative=self.speculative if self.gamma else None,
+                                    gamma=self.gamma, drafter=self.drafter if self.gamma else None)
+
+    @property
+    def _page_buckets(self) -> tuple[int, ...]:
+        return buckets_up_to(self.state.max_pages)
+
+    def _export_finished(self, exports: dict, seq: Seq, reason: str) -> None:
+        """`Scheduler.on_finish` during `prefill`: a request whose first token is known and
+        which goes on decoding has its slot and pages gathered (dispatched before any later
+        step can reuse them)."""
+        full = getattr(seq.req, "full", None)
+        if reason == "length" and full is not None and full.max_new_tokens > 1:
+            exports[seq.index] = (seq, transfer.start_export(self.state, seq.slot, seq.pages,
+                                                             self._page_buckets))
+
+    def _attach_import(self, seq: Seq, err: str | None) -> str | None:
+        """A `RequestState` item (`transfer.ImportedRequest`): checks it against this engine
+        (before the request's own error `err`: an incompatible state is named first) and
+        restores the host side (tokens so far, step counter, constraint matcher); the device
+        state is scattered in at admission. Returns the error message or None."""
+        if not isinstance(seq.req, transfer.ImportedRequest):
+            return err
+        rs = seq.req.state
+        bad = (transfer.fingerprint_mismatch(rs.fingerprint, self.transfer_fingerprint())
+               or transfer.state_error(rs))
+        if bad is None and err is None:
+            bad = transfer.shape_mismatch(rs, transfer.expected_shapes(
+                self.state, rs.num_pages, self._page_buckets))
+        if bad is not None or err is not None:
+            return err if bad is None else f"RequestState import: {bad}"
+        seq.generated, seq.logprobs = rs.generated.tolist(), rs.logprobs.tolist()
+        seq.spec_steps, seq.imported = rs.spec_steps, rs
+        self.scheduler.on_import = self._import_state
+        seq.t_first = seq.t_last = seq.t_submit
+        if seq.matcher is not None:
+            for t in seq.generated:
+                seq.matcher.consume(int(t))
+            if seq.matcher.error is not None or seq.matcher.is_finished():
+                return f"constraint: {seq.matcher.error or 'already complete'}"
+        return None
+
+    def _import_state(self, seq: Seq, rs) -> None:
+        """`Scheduler.on_import`: writes a request admitted from a `RequestState` into its slot
+        and fresh pages (dispatched at admission: after every step dispatched before, before
+        any that reads, caches or preempts them)."""
+        self.state = transfer.import_state(self.state, seq.slot, seq.pages, rs,
+                                           self._page_buckets)

@@ -96,9 +96,11 @@ class RequestOutput:
 
 
 def as_request(item, default_max_new_tokens: int) -> Request:
-    """A `Request` from a Request or a plain token-id sequence."""
+    """A `Request` from a Request, a `transfer.RequestState` or a plain token-id sequence."""
     if isinstance(item, Request):
         return item
+    if hasattr(item, "to_request"):     # an engine.transfer.RequestState (prefill elsewhere)
+        return item.to_request()
     return Request(tokens=item, max_new_tokens=default_max_new_tokens)
 
 

@@ -77,6 +77,7 @@ class Seq:
     spec_steps: int = 0             # verify steps whose results the host applied (speculative)
     resume_anchor: int | None = None  # speculative resume: the anchor token (not re-sampled)
     spec_log: list = dataclasses.field(default_factory=list)   # (verified ell, accepted g)
+    imported: object = None         # transfer.RequestState to admit from (prefill elsewhere)
 
     @property
     def prefilling(self) -> bool:
@@ -162,6 +163,12 @@ class Scheduler:
         # speculative statistics (docs/MODEL.md §D4.1): applied verify steps over rows, drafts
         # verified / accepted in them, tokens they committed (g + 1 each, bonus included)
         self.spec_row_steps = self.spec_verified = self.spec_accepted = self.spec_committed = 0
+        # prefill / decode separation (engine/transfer.py): on_finish(seq, reason) is called
+        # before a running sequence's slot and pages are released; on_import(seq, state) when
+        # a request is admitted from a RequestState (the engine writes it into the device
+        # state then, before anything can read, cache or preempt its pages)
+        self.on_finish = None
+        self.on_import = None
 
     # ------------------------------------------------------------------ lifecycle
     def add(self, seq: Seq) -> None:
@@ -182,6 +189,8 @@ class Scheduler:
     def finish(self, seq: Seq, reason: str) -> None:
         seq.finish = reason
         if seq in self.running:
+            if self.on_finish is not None:
+                self.on_finish(seq, reason)
             self._release(seq, cache_blocks=reason != "cancelled")
             self.running.remove(seq)
         self.finished.append(seq)
@@ -254,6 +263,8 @@ class Scheduler:
         return len(seq.prompt) + seq.req.max_new_tokens - 1
 
     def _admit(self, seq: Seq) -> bool:
+        if seq.imported is not None:
+            return self._admit_imported(seq)
         seq.ext = seq.prompt + seq.generated
         seq.resume_anchor = None
         if self.spec_width and seq.generated:   # resume: re-prefill up to the anchor
@@ -492,3 +503,31 @@ class Scheduler:
                         out[i, 10:14] = (1, seq.req.max_new_tokens - len(seq.generated)
                                          - (anchor < 0), seq.spec_steps, anchor)
         return out
+
+    # ------------------------------------------------------------------ imported requests
+    def _admit_imported(self, seq: Seq) -> bool:
+        """Admission of a request whose prefill ran in another engine (`seq.imported`, a
+        `transfer.RequestState`; seq.generated already holds its tokens): a slot and fresh
+        pages for its `position` positions, no prefill (generated[-1] is the next decode
+        input); `on_import` writes the state into them."""
+        rs = seq.imported
+        assert self.on_import is not None, "an imported request needs on_import"
+        seq.slot = self.free_slots.pop()
+        seq.pages = []
+        if not self._allocate(seq, rs.position, None, may_preempt=False):
+            self._release_slot(seq)
+            return False
+        seq.ext = seq.prompt + seq.generated[:-1]
+        seq.ext_arr = np.asarray(seq.ext, np.int32)
+        seq.pos, seq.row_floor, seq.fresh, seq.resume_anchor = len(seq.ext), 0, False, None
+        seq.cached_tokens = seq.replayed_tokens = 0
+        r = seq.req
+        head = self.slot_rows[seq.slot, :PACK_HEAD]
+        head[:7] = (seq.slot, 0, 0, 0, 0, r.top_k, np.array(r.seed, np.uint32).view(np.int32))
+        head[7:10] = np.array([r.temperature, r.top_p, r.min_p], np.float32).view(np.int32)
+        seq.admit_order = self._admissions
+        self._admissions += 1
+        self.running.append(seq)
+        self.on_import(seq, rs)
+        seq.imported = None                 # a later preemption resumes by re-prefilling
+        return True
