@@ -137,3 +137,17 @@ def float_dtype(where: str, name: str, dtype):
                                 f"jnp.float32 or jnp.bfloat16, got {dt} (weights cast to it "
                                 "would be rounded to integers)")
     return dt
+
+
+def image_token_message(image_token_id: int, ids, name: str = "tokens") -> str | None:
+    """The error for image-token ids in a model's input when no vision tower runs them (V4.1
+    reserves `image_token_id` for image patches), or None. ids: int array of any shape."""
+    if image_token_id is None or image_token_id < 0:
+        return None
+    hits = np.argwhere(np.asarray(ids) == image_token_id)
+    if not hits.size:
+        return None
+    where = ", ".join(map(str, hits[0].tolist()))
+    return (f"{name} hold the image token {image_token_id} (first at index {where}): image "
+            f"inputs need the vision tower, which this implementation does not run yet; "
+            f"pass text tokens only")

@@ -250,3 +250,30 @@ def test_model_config_fields_typed_directly():
     with pytest.raises(ConfigError, match="fp8_block must be a pair of ints"):
         cfg.replace(fp8_block=(128.0, 128))
     assert cfg.replace(rope_theta=10000).rope_theta == 10000   # ints are accepted for floats
+
+
+def test_image_tokens_without_a_vision_tower_are_rejected():
+    """V4.1 reserves an image token for image patches; with no vision tower, generate and
+    stream_generate refuse it by name, and an engine request carrying it fails alone."""
+    from deepinfer_fn.params import init_params
+    cfg = di.ModelConfig.preset("v4.1-tiny")
+    img = cfg.image_token_id
+    assert 0 <= img < cfg.vocab_size
+    assert V.image_token_message(img, np.array([[3, 4], [5, 6]])) is None
+    assert V.image_token_message(-1, np.array([img])) is None
+    msg = V.image_token_message(img, np.array([[3, 4], [5, img]]))
+    assert "image token" in msg and "1, 1" in msg and "vision tower" in msg
+    params = init_params(cfg, jax.random.key(0))
+    toks = np.full((2, 6), 3, np.int32)
+    toks[1, 4] = img
+    for fn in (di.generate, di.stream_generate):
+        with pytest.raises(ArgumentError, match="image token .* vision tower"):
+            out = fn(params, toks, max_new_tokens=2)
+            next(iter(out)) if fn is di.stream_generate else None
+    with pytest.raises(ArgumentError, match="image token"):
+        di.generate(params, toks, lengths=np.array([6, 5]), max_new_tokens=1)
+    req = di.engine.Request([3, img, 4], max_new_tokens=2)
+    prompt, err = validate_request(req, cfg.vocab_size, 64, 1024, img)
+    assert prompt == [] and "image token" in err
+    assert validate_request(di.engine.Request([3, 4], max_new_tokens=2), cfg.vocab_size, 64,
+                            1024, img) == ([3, 4], None)

@@ -7,7 +7,8 @@ import numpy as np
 from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.sampling import check_sampling
 from deepinfer_fn.speculative import registry
-from deepinfer_fn.validate import boolean, describe, is_int, one_of, positive_int, token_id
+from deepinfer_fn.validate import (boolean, describe, image_token_message, is_int, one_of,
+                                   positive_int, token_id)
 
 
 def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None,
@@ -50,6 +51,9 @@ def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None
         row, col = np.argwhere(bad)[0]
         raise ArgumentError(f"token id {int(arr[row, col])} at row {row}, position {col} is outside "
                             f"the vocabulary [0, {cfg.vocab_size})")
+    message = image_token_message(cfg.image_token_id, np.where(real, arr, -1), "prompts")
+    if message is not None:
+        raise ArgumentError(f"{where}: {message}")
     max_new_tokens = positive_int(where, "max_new_tokens", max_new_tokens)
     if max_len is not None:
         max_len = positive_int(where, "max_len", max_len)

@@ -476,7 +476,8 @@ class Engine:
         seqs, emitted, pending_events, deferred = [], {}, [], []
         for i, r in enumerate(reqs):
             prompt, err = validate(r, self.cfg.vocab_size, self.max_len,
-                                   self.pages.capacity * self.page_size)
+                                   self.pages.capacity * self.page_size,
+                                   self.cfg.image_token_id)
             seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
             if err is None and r.constraint is not None:
                 seq.matcher, err = self._compile(r.constraint)

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from deepinfer_fn.sampling import check_sampling, scalar_sampling_ok
-from deepinfer_fn.validate import describe, is_int
+from deepinfer_fn.validate import describe, image_token_message, is_int
 
 FINISH_REASONS = ("stop", "length", "error", "cancelled")
 
@@ -104,13 +104,15 @@ def as_request(item, default_max_new_tokens: int) -> Request:
     return Request(tokens=item, max_new_tokens=default_max_new_tokens)
 
 
-def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int) -> tuple[list[int], str | None]:
+def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int,
+             image_token_id: int = -1) -> tuple[list[int], str | None]:
     """(prompt as a list of python ints, error message or None) for one request.
 
     Checks: a non-empty 1-D sequence of integer ids inside the vocabulary; max_new_tokens a
     positive int; prompt + max_new_tokens within the engine's context (max_len) and within the
     whole page pool (pool_tokens: such a request could never run); sampling parameters in range
-    (the rules of `sampling.check_sampling`, host only); stop tokens inside the vocabulary.
+    (the rules of `sampling.check_sampling`, host only); stop tokens inside the vocabulary; no
+    image token (image_token_id >= 0: no vision tower runs it).
     """
     try:
         arr = np.asarray(req.tokens)
@@ -127,6 +129,9 @@ def validate(req: Request, vocab_size: int, max_len: int, pool_tokens: int) -> t
         i = int(bad[0])
         return [], (f"token id {int(arr[i])} at position {i} is outside the vocabulary "
                     f"[0, {vocab_size})")
+    message = image_token_message(image_token_id, arr)
+    if message is not None:
+        return [], message
     n = req.max_new_tokens
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         return [], f"max_new_tokens must be a positive int, got {n!r}"
