@@ -32,6 +32,7 @@ prefill shape 8x512, decode bucket 64, shapes of the `mini` preset (params leave
 one element: the stand-in never reads them, only their flattening counts).
 
     python benchmarks/engine_host.py                       # host breakdown (~1 min on CPU)
+    python benchmarks/engine_host.py --decode-steps 8      # ... with 8 decode steps per call
     python benchmarks/engine_host.py --mode overlap --device-ms 10
     python benchmarks/engine_host.py --mode dispatch
     python benchmarks/engine_host.py --quick               # fewer requests (smoke test)
@@ -65,6 +66,7 @@ from deepinfer_fn.engine.step import unpack
 from deepinfer_fn.params import Params, is_spec, leaf_dtype, param_specs
 
 STEP_FN = "substep_packed"      # the engine module's name for the jitted sub-step
+MULTI_STEP_FN = "decode_steps_packed"   # ... and for several decode steps per call
 PHASES = ("schedule", "pack", "transfer", "call", "commit", "collect", "other")
 
 
@@ -134,6 +136,26 @@ def make_stub(vocab: int, device_ms: float = 0.0, spin_iters: int = 0):
     return stub
 
 
+@functools.cache
+def make_multi_stub(vocab: int):
+    """A jitted stand-in for step.decode_steps_packed (several decode steps per call): out
+    int32 [B, steps, 2], step i of row b = the token of position start + i + 1 while i <
+    n_new (the same tokens `make_stub` gives one step at a time)."""
+    @functools.partial(jax.jit, static_argnames=("steps",), donate_argnums=(1,))
+    def stub(params, state, packed, *, steps):
+        meta, fparams, block_table, _ = unpack(packed, state.max_pages)
+        slot, start, n_new = meta[:, 0], meta[:, 1], meta[:, 2]
+        i = jnp.arange(steps)[None]
+        tok = ((start[:, None] + i + 1) * 104729) % (vocab - 2) + 2
+        tok = tok + 0 * block_table[:, :1] + (fparams[:, :1] * 0).astype(jnp.int32)
+        tok = jnp.where(i < n_new[:, None], tok, 0).astype(jnp.int32)
+        last = jnp.take_along_axis(tok, jnp.maximum(n_new - 1, 0)[:, None], axis=1)[:, 0]
+        slot = jnp.where(n_new > 0, slot, state.max_batch)
+        state = dataclasses.replace(state, last_token=state.last_token.at[slot].set(last, mode="drop"))
+        return state, jnp.stack([tok, jnp.zeros_like(tok)], axis=2)
+    return stub
+
+
 # ----------------------------------------------------------------------------- timing
 class PhaseTimer:
     """Wraps the engine's phase functions with perf_counter accumulators."""
@@ -183,6 +205,8 @@ def install(engine: Engine, stub, timer: PhaseTimer | None):
 
     call = stub if timer is None else timer.wrap("call", stub)
     patch(engine_mod, STEP_FN, call)
+    multi = make_multi_stub(engine.cfg.vocab_size)
+    patch(engine_mod, MULTI_STEP_FN, multi if timer is None else timer.wrap("call", multi))
     if timer is not None:
         sched = engine.scheduler
         patch(sched, "schedule", timer.wrap("schedule", sched.schedule))
@@ -207,7 +231,7 @@ def build_engine(args, params):
     return Engine(params, max_batch=args.max_batch, max_tokens_per_step=args.budget,
                   prefill_shapes=shapes, decode_buckets=buckets,
                   max_len=args.system_len + args.suffix_max + args.new,
-                  replay_tokens=args.replay, progress=False, decode_steps=1)
+                  replay_tokens=args.replay, progress=False, decode_steps=args.decode_steps)
 
 
 def timed_run(engine: Engine, reqs, stub, async_scheduling: bool, profile: bool = False):
@@ -254,12 +278,15 @@ def mode_host(args, cfg, out):
             if best is None or wall < best[0]:
                 best = (wall, steps, t, dec)
         wall, steps, t, dec = best
+        n_tok = sum(map(len, toks[label]))
         res[label] = dict(wall_s=wall, steps=steps, us_per_step=wall / steps * 1e6,
+                          generated_tokens=n_tok, us_per_generated_token=wall / n_tok * 1e6,
                           decode_rows_per_step=dec,
                           calls_per_step=t["_calls"] / steps,
                           phases_us_per_step={k: t[k] / steps * 1e6 for k in PHASES})
         ph = "  ".join(f"{k} {t[k] / steps * 1e6:7.1f}" for k in PHASES)
         print(f"{label:>5}: {wall:6.2f} s  {steps} steps  {wall / steps * 1e6:8.1f} us/step  "
+              f"{wall / n_tok * 1e6:6.1f} us/generated token  "
               f"(decode rows/step {dec:.1f})  per step [us]: {ph}", flush=True)
     res["async_tokens_equal_sync"] = toks["async"] == toks["sync"]
     print("async tokens == sync tokens:", res["async_tokens_equal_sync"])
@@ -375,10 +402,14 @@ def main():
     ap.add_argument("--dispatch-iters", type=int, default=50)
     ap.add_argument("--dispatch-preset", default="tiny",
                     help="--mode dispatch: tiny (CPU) or mini (GPU, random device weights)")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="host mode: Engine(decode_steps=): decode steps per device call")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
         args.requests = min(args.requests, 96)
+    if args.mode != "host" and args.decode_steps != 1:
+        ap.error("--decode-steps applies to --mode host (the other stand-ins run one step)")
     cfg = di.ModelConfig.preset(args.preset)
     out = dict(device=jax.devices()[0].device_kind, platform=platform.platform(),
                jax=jax.__version__, args=vars(args))
