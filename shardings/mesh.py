@@ -33,6 +33,7 @@ RULES: dict[str, Any] = {
     "index_heads": "tp",
     "vocab": None,
     "layers": None,          # the stacked axis of a scanned layer group
+    "engram_rows": BATCH_AXES,   # V4.1 Engram tables (~197B values): rows over every device
 }
 
 

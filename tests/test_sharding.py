@@ -160,3 +160,23 @@ def _compare_speculative(base, sharded_params, tokens, lengths, kw, runs, plain,
                                        np.asarray(one.draft_confidence), atol=1e-4)
         if run["temperature"] == 0.0:
             np.testing.assert_array_equal(np.asarray(mesh.tokens), plain)
+
+
+@pytest.mark.heavy   # two V4.1 compiles (~2 min on 2 cores)
+def test_v41_forward_on_mesh_equals_single_device():
+    """V4.1 (lagged mHC, shared latents, Engram) on a dp=2 x ep=4 mesh: logits equal the
+    single-device forward; the Engram tables' rows follow the `engram_rows` rule (split over
+    every device where the row count divides, as for v4.1-flash, else replicated)."""
+    from deepinfer_fn.params import init_params
+    from jax.sharding import PartitionSpec as P
+    cfg = di.ModelConfig.preset("v4.1-tiny")
+    params = init_params(cfg, jax.random.key(0))
+    ids = np.random.default_rng(0).integers(3, cfg.image_token_id, (8, 24)).astype(np.int32)
+    ref = np.asarray(di.forward(params, ids))
+    mesh = _mesh(dict(dp=2, ep=4))
+    sharded = shardings.shard_params(params, mesh)
+    assert rel_err(np.asarray(di.forward(sharded, ids)), ref) <= 1e-5
+    from shardings.mesh import logical_spec
+    rows = 384_006_168                 # layer 1's table in v4.1-flash (sum of its 24 primes)
+    assert logical_spec(("engram_rows", None), (rows, 256), mesh) == P(("dp", "ep"), None)
+    assert logical_spec(("engram_rows", None), (660, 256), mesh) == P(None, None)
