@@ -150,6 +150,8 @@ def main():
                     help="comma list of compiled verify column counts (default: where the "
                          "cost profile gets cheaper, schedule.column_buckets; fixed only: 1+γ)")
     ap.add_argument("--cost-file", default=None, help="VerifyCost JSON for the dynamic arm")
+    ap.add_argument("--decode-steps", type=int, default=8,
+                    help="Engine(decode_steps=): decode steps per device call")
     ap.add_argument("--overhead", type=float, default=None, help="dynamic arm step overhead (s)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -175,7 +177,8 @@ def main():
                tuple(int(x) for x in args.decode_buckets.split(",")))
     common = dict(max_batch=args.max_batch, max_tokens_per_step=args.budget,
                   prefill_shapes=buckets[0], decode_buckets=buckets[1], max_len=max_len,
-                  replay_tokens=args.replay, progress=False, measure_idle=True)
+                  replay_tokens=args.replay, progress=False, measure_idle=True,
+                  decode_steps=args.decode_steps)
     print(f"{jax.devices()[0].device_kind}: {cfg.num_hidden_layers} layers, {len(reqs)} requests, "
           f"{args.systems} system prompts x {args.system_len} tokens + {args.suffix_min}-"
           f"{args.suffix_max}, {args.new} new tokens; max_batch {args.max_batch}, budget "
@@ -259,7 +262,8 @@ def main_speculative(args):
     max_len = -(-(args.prompt_len + args.new + gamma + 1) // 64) * 64
     common = dict(max_batch=args.max_batch, max_tokens_per_step=args.budget,
                   prefill_shapes=shapes, decode_buckets=buckets, max_len=max_len,
-                  replay_tokens=args.replay, progress=False, measure_idle=True)
+                  replay_tokens=args.replay, progress=False, measure_idle=True,
+                  decode_steps=args.decode_steps)
     dev = jax.devices()[0].device_kind
     print(f"{dev}: default model ({dtype.name}), {args.speculative} γ={gamma}, {len(reqs)} "
           f"requests x {args.prompt_len} prompt + {args.new} new tokens (T={args.temperature}); "
@@ -271,9 +275,12 @@ def main_speculative(args):
             cost = schedule.VerifyCost.load(args.cost_file)
         else:
             t0 = time.perf_counter()
+            # the engine runs up to --decode-steps verify steps per device call: time the
+            # verify forward inside a device loop then (as generate's loop runs it)
             cost = schedule.measure_verify_cost(params, list(buckets), gamma,
                                                 context=args.prompt_len + args.new // 2,
-                                                repeats=3 if on_cpu else 10, verbose=True)
+                                                repeats=3 if on_cpu else 10, verbose=True,
+                                                in_loop=20 if args.decode_steps > 1 else 0)
             path = os.path.splitext(args.out)[0] + "_verify_cost.json"
             cost.save(path)
             print(f"verify cost measured in {time.perf_counter() - t0:.1f} s -> {path}")
@@ -304,7 +311,9 @@ def main_speculative(args):
                 overhead = args.overhead
                 fixed = next((r for r in results if r["label"].endswith("fixed")), None)
                 if overhead is None and fixed is not None and fixed["steps"]:
-                    step_s = fixed["wall_s"] / fixed["steps"]
+                    # per verify step: an engine step's decode call runs mean_decode_steps
+                    verify_steps = fixed["steps"] * max(1.0, fixed["mean_decode_steps"])
+                    step_s = fixed["wall_s"] / verify_steps
                     overhead = max(0.0, step_s - float(cost.step_seconds_for(buckets[-1])[-1]))
                 summary["dynamic_overhead_s"] = overhead = overhead or 0.0
                 engines[arm] = Engine(params, **common, speculative=args.speculative,
