@@ -151,3 +151,40 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.float32, mesh: Mesh | None = Non
         lambda s: NamedSharding(mesh, logical_spec(s.axes, s.shape, mesh, rules)), specs,
         is_leaf=is_spec)
     return Params(abstract_tree(specs, dtype, shardings), cfg)
+
+
+# --- per-shard programs over the batch axes (the engine's slot and page pools) ---------------
+
+
+def batch_axis_spec(axis: int) -> P:
+    """PartitionSpec splitting dimension `axis` over the batch axes (the others whole)."""
+    return P(*([None] * axis), BATCH_AXES)
+
+
+def batch_split_shardings(axes, mesh: Mesh):
+    """NamedShardings from a pytree of ints (each leaf's batch axis, split over dp x ep)."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, batch_axis_spec(a)), axes)
+
+
+def trace_batch_shards() -> tuple[Any, int]:
+    """(mesh, batch shards) of the mesh the current trace runs under (`jax.set_mesh`), or
+    (None, 1) without one or when its batch axes have one shard."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(a not in mesh.shape for a in BATCH_AXES):
+        return None, 1
+    n = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return (mesh, n) if n > 1 else (None, 1)
+
+
+def per_batch_shard(fn, args: tuple, axes: tuple, out_axes):
+    """fn(shard, *args) on every batch shard of the trace's mesh: `jax.shard_map` over the batch
+    axes, each arg leaf split along its axis in `axes` (a pytree prefix of ints), the outputs
+    along `out_axes`; shard = the shard's index over dp x ep (row-major, as P(("dp", "ep"))
+    lays blocks out). Without a mesh (or with one shard): fn(0, *args) on the whole arrays."""
+    mesh, n = trace_batch_shards()
+    if n == 1:
+        return fn(0, *args)
+    to_specs = lambda tree: jax.tree.map(batch_axis_spec, tree)
+    body = lambda *a: fn(jax.lax.axis_index(BATCH_AXES), *a)
+    return jax.shard_map(body, mesh=mesh, in_specs=to_specs(axes), out_specs=to_specs(out_axes),
+                         check_vma=False)(*args)

@@ -47,6 +47,19 @@ Design notes / deviations from the suggested design:
 * A step is two device calls (prefill, decode), not one fused program: compiled shapes grow as
   (#prefill shapes + #decode buckets) rather than their product; both are issued back to back.
 
+On a mesh (params placed by `shardings.shard_params(params, make_mesh(dp=, ep=))`): requests
+are spread over the n = dp x ep batch shards of attention. Each shard owns max_batch / n slots
+(max_batch a multiple of n), its own pool of `num_pages` pages (per shard) and its own prefix
+cache; a request is assigned to a shard at admission (a prefix-cache hit first, then load:
+free slots, running tokens, free pages) and stays there (a preempted request resumes in the
+shard of its cached blocks when they are still there). Every sub-batch has n row blocks, block
+i holding shard i's rows (prefill rows and decode buckets are multiples of n); the gathers and
+scatters of slots and pages run per shard (`step.take_slots` / `gather_state`, a
+`jax.shard_map` over the batch axes), the forward between them is the auto-sharded one (routed
+experts over `ep`). Tokens equal the single-device engine's (f32, tested). Speculative engines
+work on a mesh too (`PagedState.spec` split by slot like the rings), and so do `prefill`
+exports and `RequestState` imports (page ids offset to the shard's block of the pool axis).
+
 Structured output (`Request(constraint=Regex | JsonSchema | Grammar)`, deepinfer_fn/structured.py):
 the constraint is compiled on the host at submission against the engine's `tokenizer` (a bad
 regex / schema / grammar finishes that request alone with finish_reason "error" and the message).
@@ -110,6 +123,7 @@ speculative method take such states as items and decode them (same tokens as one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -124,11 +138,11 @@ import numpy as np
 from deepinfer_fn.compile_cache import Job, precompile
 from deepinfer_fn.config import CSA, HCA
 from deepinfer_fn.engine.pages import PageAllocator
-from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state
+from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state, shard_axes
 from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
-from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan, bucket,
+from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan,
                                             buckets_up_to)
 from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_decode_packed,
                                            spec_prefill_packed)
@@ -140,6 +154,8 @@ from deepinfer_fn.params import Params, count_params
 from deepinfer_fn.speculative import registry
 from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.validate import boolean, non_negative_int, one_of, positive_int
+# Module import (attributes read at call time): shardings/__init__ imports deepinfer_fn.
+from shardings import mesh as mesh_rules
 
 
 @dataclasses.dataclass
@@ -252,11 +268,13 @@ class _IdleWatcher:
 class Engine:
     """Offline engine over `params` (see the module docstring).
 
-    max_batch: slots (requests running at once); max_tokens_per_step: token budget of one step
+    max_batch: slots (requests running at once; on a mesh a multiple of dp x ep, see the module
+    docstring); max_tokens_per_step: token budget of one step
     (decode rows count 1, prefill rows their chunk's real tokens); page_size: tokens per page
     (a multiple of every compression ratio; default their lcm); max_len: context limit per
     request (rounded up to pages; default min(4096, max_position_embeddings)); num_pages: pool
-    size (default: enough for max_batch full-length requests, i.e. no preemption);
+    size, per batch shard on a mesh (default: enough for max_batch full-length requests, on a
+    mesh max_batch / n per shard, i.e. no preemption);
     prefill_chunk: the widest prefill row (default min(256, max_tokens_per_step));
     prefill_shapes: the (rows, width) prefill sub-batch shapes to compile; each step uses the
     one that moves the most prompt tokens under the budget (default: (1, chunk) and, for
@@ -298,6 +316,8 @@ class Engine:
                                                    where="Engine")
         cfg = params.config
         self.params, self.cfg = params, cfg
+        self.mesh = mesh_rules.mesh_of(params)       # None: one device
+        n = self.shards = mesh_rules.batch_shards(self.mesh) if self.mesh is not None else 1
         ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
         if page_size is None:
             page_size = math.lcm(*ratios) if ratios else 16
@@ -309,6 +329,9 @@ class Engine:
                         ("prefill_chunk", prefill_chunk), ("window_slots", window_slots)):
             if v is not None:
                 positive_int("Engine", name, v)
+        if max_batch % n:
+            raise ArgumentError(f"Engine: max_batch={max_batch} must be a multiple of the mesh's "
+                                f"{n} batch shards (dp x ep)")
         if replay_tokens is not None:
             non_negative_int("Engine", "replay_tokens", replay_tokens)
         for name, v in (("prefix_cache", prefix_cache), ("async_scheduling", async_scheduling),
@@ -322,21 +345,31 @@ class Engine:
         if max_len > cfg.max_position_embeddings:
             raise ArgumentError(f"max_len={max_len} > max_position_embeddings={cfg.max_position_embeddings}")
         max_pages = -(-max_len // page_size)
-        num_pages = num_pages or max_batch * max_pages + 1
+        # per shard (one shard: the whole engine): slots, pages
+        slots = max_batch // n
+        num_pages = num_pages or slots * max_pages + 1
         chunk = min(prefill_chunk or 256, max_tokens_per_step)
         if prefill_shapes is None:
             widths = sorted({chunk, max(16, chunk // 4)})
-            prefill_shapes = {(1, chunk)} | {(min(max_batch, max(1, max_tokens_per_step // w)), w)
-                                             for w in widths}
+            rows_of = lambda r: n * -(-r // n)      # rounded up to whole rows per shard
+            prefill_shapes = {(n, chunk)} | {
+                (rows_of(min(max_batch, max(1, max_tokens_per_step // w))), w) for w in widths}
         prefill_shapes = tuple(sorted((int(r), int(w)) for r, w in prefill_shapes))
-        if not prefill_shapes or any(r < 1 or w < 1 or r > max_batch for r, w in prefill_shapes):
+        if not prefill_shapes or any(r < 1 or w < 1 or r > max_batch or r % n
+                                     for r, w in prefill_shapes):
             raise ArgumentError(f"prefill_shapes {prefill_shapes}: (rows, width) pairs with "
-                             f"1 <= rows <= max_batch={max_batch}")
-        decode_buckets = tuple(sorted(decode_buckets or
-                                      buckets_up_to(min(max_batch, max_tokens_per_step))))
-        if decode_buckets[-1] < min(max_batch, max_tokens_per_step):
+                             f"1 <= rows <= max_batch={max_batch}"
+                             + (f", rows a multiple of the {n} batch shards" if n > 1 else ""))
+        decode_buckets = tuple(sorted(decode_buckets or tuple(
+            n * b for b in buckets_up_to(min(slots, max_tokens_per_step)))))
+        if decode_buckets[-1] < n * min(slots, max_tokens_per_step):
             raise ArgumentError(f"decode_buckets {decode_buckets} must reach "
-                             f"min(max_batch, max_tokens_per_step)")
+                             f"min(max_batch, max_tokens_per_step)" if n == 1 else
+                             f"decode_buckets {decode_buckets} must reach {n} batch shards x "
+                             f"min(max_batch / {n}, max_tokens_per_step)")
+        if any(b % n for b in decode_buckets):
+            raise ArgumentError(f"decode_buckets {decode_buckets} must be multiples of the "
+                                f"mesh's {n} batch shards")
         gamma = self._check_speculative(speculative, drafter, num_draft_tokens, verify_len,
                                         verify_cost)
         if gamma and max_tokens_per_step < gamma + 1:
@@ -352,15 +385,19 @@ class Engine:
         self.measure_idle = measure_idle
         self.replay_tokens, self.use_cache = replay_tokens, prefix_cache
         self.prefill_shapes, self.decode_buckets = prefill_shapes, decode_buckets
-        self.pages = PageAllocator(num_pages)
-        self.cache = RadixCache(page_size, self.pages) if prefix_cache else None
+        # one page allocator and prefix cache per batch shard (self.pages / self.cache:
+        # shard 0's, the only ones without a mesh)
+        self.shard_pages = [PageAllocator(num_pages) for _ in range(n)]
+        self.shard_caches = [RadixCache(page_size, p) if prefix_cache else None
+                             for p in self.shard_pages]
+        self.pages, self.cache = self.shard_pages[0], self.shard_caches[0]
         self.scheduler = Scheduler(max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
                                    prefill_shapes=prefill_shapes, page_size=page_size,
-                                   max_pages=max_pages, pages=self.pages, cache=self.cache,
-                                   replay_tokens=replay_tokens,
+                                   max_pages=max_pages, pages=self.shard_pages,
+                                   cache=self.shard_caches, replay_tokens=replay_tokens,
                                    spec_width=gamma + 1 if gamma else 0,
-                                   decode_steps=decode_steps)
-        self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=num_pages,
+                                   decode_steps=decode_steps, shards=n)
+        self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=n * num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
         self.speculative, self.gamma = speculative, gamma
@@ -377,6 +414,9 @@ class Engine:
                                                 verify_cost, b, widths)
         elif verify_widths is not None:
             raise ArgumentError("verify_widths needs speculative='dspark' or 'mtp'")
+        if self.mesh is not None:       # slots and pages split over the batch shards
+            self.state = jax.device_put(self.state, mesh_rules.batch_split_shardings(
+                shard_axes(self.state), self.mesh))
         self._active_params = count_params(cfg)["active"]
         self._tokenizer = tokenizer
         self._watch = None                  # (t_issue, compiled) of a step awaiting its sampling
@@ -405,10 +445,7 @@ class Engine:
                 raise ArgumentError("drafter / num_draft_tokens / verify_cost need speculative="
                                  "'dspark' or 'mtp'")
             return 0
-        from deepinfer_fn.api import mesh_context
         from deepinfer_fn.speculative.loop import check_confidence
-        if mesh_context(self.params)[0] is not None:
-            raise NotImplementedError("a speculative engine on a sharded mesh is not supported yet")
         kind = registry.get(speculative)
         if verify_len not in ("fixed", "dynamic"):
             raise ArgumentError(f"verify_len must be 'fixed' or 'dynamic', got {verify_len!r}")
@@ -476,7 +513,7 @@ class Engine:
         seqs, emitted, pending_events, deferred = [], {}, [], []
         for i, r in enumerate(reqs):
             prompt, err = validate(r, self.cfg.vocab_size, self.max_len,
-                                   self.pages.capacity * self.page_size,
+                                   self.pages.capacity * self.page_size,   # one shard's pool
                                    self.cfg.image_token_id)
             seq = Seq(r, i, prompt, frozenset(int(t) for t in r.stop_tokens) if err is None else frozenset(), t0)
             if err is None and r.constraint is not None:
@@ -558,6 +595,17 @@ class Engine:
             self._record_run(seqs, t0, base, idle)
 
     # ------------------------------------------------------------------ internals
+    def _on_mesh(self):
+        """The context of every device call: the params' mesh (`jax.set_mesh`), or nothing."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _to_device(self, x: np.ndarray):
+        """A packed host buffer as a device call's input: on a mesh its rows split over the
+        batch shards (row block i -> shard i); else the host array itself."""
+        if self.mesh is None:
+            return x
+        return jax.device_put(x, mesh_rules.batch_split_shardings(0, self.mesh))
+
     def _apply_cancels(self, run: _RunIds, deferred=()):
         with self._cancel_lock:
             ids, run.cancelled = run.cancelled, set()
@@ -606,20 +654,24 @@ class Engine:
                 continue
             masks = np.full((packed.shape[0], structured.mask_words(self.cfg.vocab_size)),
                             0xFFFFFFFF, np.uint32)
-            live = []
-            for i, row in enumerate(rows):
+            live, live_seqs = [], []
+            for i, row in zip(self.scheduler.row_positions(rows, packed.shape[0]), rows):
                 seq, m = row.seq, row.seq.matcher
                 if (m is None or not row.samples or seq.finish is not None
                         or row.epoch != seq.epoch or m.is_finished()):
                     continue
                 assert seq.in_flight == 1, "a constrained row's earlier tokens must be known"
-                live.append((i, m))
+                live.append((int(i), m))
+                live_seqs.append(seq)
             structured.fill_masks([m for _, m in live], masks, [i for i, _ in live])
-            for i, m in live:
+            for (i, m), seq in zip(live, live_seqs):
                 if m.error is not None:
                     masks[i] = 0xFFFFFFFF
-                    failed.append(rows[i].seq)
-            self.state, out = sample_packed(self.state, logits, packed[:, :PACK_HEAD], masks)
+                    failed.append(seq)
+            with self._on_mesh():
+                self.state, out = sample_packed(self.state, logits,
+                                                self._to_device(packed[:, :PACK_HEAD]),
+                                                self._to_device(masks))
             out.copy_to_host_async()
             entry[1], entry[2], entry[3] = out, None, None
         for seq in failed:
@@ -642,27 +694,29 @@ class Engine:
             self._shapes_seen.add(shape)
             calls.append((plan.prefill, sched.pack(plan.prefill, *shape), False))
         if plan.decode:
-            shape = (bucket(len(plan.decode), self.decode_buckets), None)
+            shape = (sched.sub_batch_rows(plan.decode, self.decode_buckets), None)
             compiled |= shape not in self._shapes_seen
             self._shapes_seen.add(shape)
             calls.append((plan.decode, sched.pack(plan.decode, *shape), True))
         outs, t_issue = [], None
         for rows, packed, is_decode in calls:
-            if self._spec_on and is_decode:
-                self.state, out = self._spec_decode(packed)
-                outs.append([rows, out, None, None, "spec"])
-            elif self._spec_on:
-                self.state, out = self._spec_prefill(packed)
-                outs.append([rows, out, None, None])
-            elif any(row.samples and row.seq.matcher is not None for row in rows):
-                self.state, logits = forward_packed(self.params, self.state, packed)
-                outs.append([rows, None, packed, logits])
-            elif is_decode and self.scheduler.decode_steps > 1:
-                self.state, out = self._decode(packed)
-                outs.append([rows, out, None, None, "multi"])
-            else:
-                self.state, out = substep_packed(self.params, self.state, packed)
-                outs.append([rows, out, None, None])
+            with self._on_mesh():
+                dev = self._to_device(packed)
+                if self._spec_on and is_decode:
+                    self.state, out = self._spec_decode(dev)
+                    outs.append([rows, out, None, None, "spec"])
+                elif self._spec_on:
+                    self.state, out = self._spec_prefill(dev)
+                    outs.append([rows, out, None, None])
+                elif any(row.samples and row.seq.matcher is not None for row in rows):
+                    self.state, logits = forward_packed(self.params, self.state, dev)
+                    outs.append([rows, None, packed, logits])
+                elif is_decode and self.scheduler.decode_steps > 1:
+                    self.state, out = self._decode(dev)
+                    outs.append([rows, out, None, None, "multi"])
+                else:
+                    self.state, out = substep_packed(self.params, self.state, dev)
+                    outs.append([rows, out, None, None])
             t_issue = t_issue or time.perf_counter()
         for entry in outs:
             if entry[1] is not None:
@@ -677,7 +731,8 @@ class Engine:
     def _collect(self, outs, emitted, bar, partial_events=True):
         now = None
         for rows, out, *rest in outs:
-            out = np.asarray(out)[:len(rows)]           # waits for this step (the only sync)
+            out = np.asarray(out)                       # waits for this step (the only sync)
+            out = out[self.scheduler.row_positions(rows, out.shape[0])]
             now = time.perf_counter()
             if rest[-1:] == ["spec"]:
                 self.scheduler.commit_spec_steps(rows, out, now)
@@ -773,7 +828,7 @@ class Engine:
     def _substep_job(self, n: int, width: int | None) -> Job:
         """The jitted call of a sub-step of n rows with prefill tokens of `width` (None:
         decode) on all-padding inputs, as a precompile job."""
-        packed = self.scheduler.pack([], n, width)
+        packed = self._to_device(self.scheduler.pack([], n, width))
         if not self.gamma and width is None and self.scheduler.decode_steps > 1:
             return Job(decode_steps_packed, (self.params, self.state, packed),
                        dict(steps=self.scheduler.decode_steps))
@@ -812,25 +867,28 @@ class Engine:
         nothing; returns the seconds it took."""
         t0 = time.perf_counter()
         shapes = self.prefill_shapes + tuple((n, None) for n in self.decode_buckets)
-        precompile([self._substep_job(n, width) for n, width in shapes], threads)
+        with self._on_mesh():
+            precompile([self._substep_job(n, width) for n, width in shapes], threads)
         for n, width in shapes:
-            packed = self.scheduler.pack([], n, width)
-            if not self.gamma and width is None and self.scheduler.decode_steps > 1:
-                self.state, _ = self._decode(packed)
-            elif not self.gamma:
-                self.state, _ = substep_packed(self.params, self.state, packed)
-            elif width is None:
-                self.state, _ = self._spec_decode(packed)
-            else:
-                self.state, _ = self._spec_prefill(packed)
+            with self._on_mesh():
+                packed = self._to_device(self.scheduler.pack([], n, width))
+                if not self.gamma and width is None and self.scheduler.decode_steps > 1:
+                    self.state, _ = self._decode(packed)
+                elif not self.gamma:
+                    self.state, _ = substep_packed(self.params, self.state, packed)
+                elif width is None:
+                    self.state, _ = self._spec_decode(packed)
+                else:
+                    self.state, _ = self._spec_prefill(packed)
             self._shapes_seen.add((n, width))
         jax.block_until_ready(self.state)
         return time.perf_counter() - t0
 
     def reset_cache(self) -> None:
         """Drops every cached prefix block no running request holds."""
-        if self.cache is not None:
-            self.cache.evict(self.pages.num_pages)
+        for cache, pages in zip(self.shard_caches, self.shard_pages):
+            if cache is not None:
+                cache.evict(pages.num_pages)
 
     # ------------------------------------------------------------------ prefill / decode separation
     # (engine/transfer.py; hooks: `_attach_import` in `_run`, `Scheduler.on_import`,
@@ -894,7 +952,8 @@ class Engine:
         step can reuse them)."""
         full = getattr(seq.req, "full", None)
         if reason == "length" and full is not None and full.max_new_tokens > 1:
-            exports[seq.index] = (seq, transfer.start_export(self.state, seq.slot, seq.pages,
+            exports[seq.index] = (seq, transfer.start_export(self.state, seq.slot,
+                                                             self._pool_ids(seq),
                                                              self._page_buckets))
 
     def _attach_import(self, seq: Seq, err: str | None) -> str | None:
@@ -927,5 +986,13 @@ class Engine:
         """`Scheduler.on_import`: writes a request admitted from a `RequestState` into its slot
         and fresh pages (dispatched at admission: after every step dispatched before, before
         any that reads, caches or preempts them)."""
-        self.state = transfer.import_state(self.state, seq.slot, seq.pages, rs,
+        self.state = transfer.import_state(self.state, seq.slot, self._pool_ids(seq), rs,
                                            self._page_buckets)
+        if self.mesh is not None:       # keep the slots / pages split over the batch shards
+            self.state = jax.device_put(self.state, mesh_rules.batch_split_shardings(
+                shard_axes(self.state), self.mesh))
+
+    def _pool_ids(self, seq: Seq) -> list[int]:
+        """seq's pages as ids into the whole pool axis (shard-local ids offset by the shard's
+        block of pages; unchanged without a mesh)."""
+        return [seq.shard * self.pages.num_pages + p for p in seq.pages]

@@ -25,6 +25,11 @@ scattered by slot like the rings (`engine.spec_step.init_spec_slots`): the commi
 the token budget `left` (tokens the request may still emit), the request-local verify-step
 counter `step` (the counter-based draft/accept keys), and `drafter`, the drafter's own per-row
 state (any pytree with the batch axis leading; `speculative.drafter.Drafter.init_state`).
+
+On a mesh (`shard_axes`) the slot axis of every per-slot array and the page axis of every pool
+are split over the batch axes dp x ep: shard i owns slots [i * max_batch / n, (i + 1) *
+max_batch / n) and pages [i * P, (i + 1) * P) (its own pool of P pages, addressed by
+shard-local ids 0..P-1, local page 0 its null page).
 """
 
 from __future__ import annotations
@@ -60,6 +65,16 @@ class PagedState:
     @property
     def max_len(self) -> int:
         return self.page_size * self.max_pages
+
+
+def shard_axes(state: PagedState) -> PagedState:
+    """The axis of every leaf that the batch shards split (a PagedState of ints): the slot axis
+    of the rings, `last_token` and `spec`, the page axis of the pools (1 on the stacked leaves
+    of a scanned group, else 0)."""
+    lead = lambda stack: stack.map_blocks(
+        lambda scanned, tree: jax.tree.map(lambda _: int(scanned), tree))
+    return dataclasses.replace(state, slots=lead(state.slots), pools=lead(state.pools),
+                               last_token=0, spec=jax.tree.map(lambda _: 0, state.spec))
 
 
 def check_page_size(cfg: ModelConfig, page_size: int) -> None:

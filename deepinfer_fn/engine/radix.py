@@ -55,6 +55,19 @@ class RadixCache:
             out.append(node.page)
         return out
 
+    def peek(self, tokens, max_blocks: int | None = None) -> int:
+        """How many blocks `match` would return, without touching the path (LRU unchanged)."""
+        n = len(tokens) // self.page_size
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        node, found = self.root, 0
+        for block in self._blocks(tokens, n):
+            node = node.children.get(block)
+            if node is None:
+                break
+            found += 1
+        return found
+
     def insert(self, tokens, pages: list[int]) -> int:
         """Caches the first len(pages) blocks of `tokens`, block i stored in pages[i]. Blocks
         already cached keep their existing page. Returns the number of new nodes."""

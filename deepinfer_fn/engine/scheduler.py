@@ -34,6 +34,15 @@ Policy:
   preempted (recompute: its slot and pages are released, it is requeued with prompt +
   generated tokens; with the prefix cache on, its full blocks are cached first, so it resumes
   from a hit).
+
+Batch shards (`shards` = n > 1: the engine on a dp x ep mesh): shard i owns slots [i * S, (i +
+1) * S) (S = max_batch / n), its own page allocator and prefix cache (`pages`, `cache` given as
+n-item lists; block tables hold shard-local page ids). A request is assigned to one shard at
+admission (`_shard_order`: a shard with a free slot, preferring the longest prefix-cache hit,
+then the most free slots, the fewest running tokens, the most free pages); pages, eviction
+and preemption victims stay within its shard. A sub-batch of R rows gives each shard R / n
+rows (row block i = shard i's rows, `row_positions`); decode buckets and prefill rows are
+multiples of n. With n = 1 every rule above is the single pool's.
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ class Seq:
     in_flight: int = 0
     epoch: int = 0
     admit_order: int = -1
+    shard: int = 0                  # the batch shard holding its slot and pages
     finish: str | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -95,6 +105,7 @@ class Row:
     start: int
     n: int
     samples: bool        # the row's sampled token is a real output token
+    shard: int = 0       # seq.shard when planned (its row block; seq may move after preemption)
 
 
 @dataclasses.dataclass
@@ -133,21 +144,32 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 class Scheduler:
     def __init__(self, *, max_batch: int, max_tokens_per_step: int,
                  prefill_shapes: tuple[tuple[int, int], ...], page_size: int, max_pages: int,
-                 pages: PageAllocator, cache: RadixCache | None, replay_tokens: int | None,
-                 spec_width: int = 0, decode_steps: int = 1):
+                 pages: PageAllocator | list[PageAllocator],
+                 cache: RadixCache | None | list[RadixCache | None], replay_tokens: int | None,
+                 spec_width: int = 0, decode_steps: int = 1, shards: int = 1):
+        """pages / cache: a PageAllocator / RadixCache-or-None, or one per shard (lists)."""
         assert decode_steps >= 1, decode_steps
+        assert shards >= 1 and max_batch % shards == 0, (max_batch, shards)
+        assert all(r % shards == 0 for r, _ in prefill_shapes), (prefill_shapes, shards)
+        self.shards, self.slots_per_shard = shards, max_batch // shards
+        self.shard_pages = list(pages) if isinstance(pages, (list, tuple)) else [pages]
+        self.shard_caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+        assert len(self.shard_pages) == len(self.shard_caches) == shards
         self.max_batch, self.budget = max_batch, max_tokens_per_step
         self.decode_steps = decode_steps      # most decode steps per device call (plain)
         self.prefill_shapes = tuple(prefill_shapes)
         self.chunk = max(w for _, w in prefill_shapes)
         self.prefill_rows = max(r for r, _ in prefill_shapes)
         self.page_size, self.max_pages = page_size, max_pages
-        self.pages, self.cache, self.replay = pages, cache, replay_tokens
+        # shard 0's allocator and cache (the only ones with one shard)
+        self.pages, self.cache = self.shard_pages[0], self.shard_caches[0]
+        self.replay = replay_tokens
         self.spec_width = spec_width          # γ + 1 (speculative engine) or 0
         self.decode_cost = spec_width or 1    # budget tokens per decode row
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []          # admission order
-        self.free_slots = list(range(max_batch - 1, -1, -1))
+        S = self.slots_per_shard          # per shard: free slots, pop() gives the lowest
+        self.shard_free = [list(range((i + 1) * S - 1, i * S - 1, -1)) for i in range(shards)]
         # Per slot, the packed row of `pack` (PACK_HEAD columns, then the block table): the
         # per-request columns are written once at admission, the block table as pages come.
         self.slot_rows = np.zeros((max_batch, PACK_HEAD + max_pages), np.int32)
@@ -156,6 +178,7 @@ class Scheduler:
         self._pad_row[0] = max_batch                              # out-of-range slot
         self._pad_row[7:10] = np.array([0.0, 1.0, 0.0], np.float32).view(np.int32)
         self._admissions = 0
+        self.shard_admissions = [0] * shards  # admissions per shard (load balance)
         self.preemptions = 0
         self.cache_hit_tokens = 0
         self.prefill_tokens = 0               # computed prefill positions (replay included)
@@ -169,6 +192,13 @@ class Scheduler:
         # state then, before anything can read, cache or preempt its pages)
         self.on_finish = None
         self.on_import = None
+
+    @property
+    def free_slots(self) -> list[int]:
+        """Free slots of every shard."""
+        if self.shards == 1:
+            return self.shard_free[0]
+        return [s for free in self.shard_free for s in free]
 
     # ------------------------------------------------------------------ lifecycle
     def add(self, seq: Seq) -> None:
@@ -197,23 +227,25 @@ class Scheduler:
 
     def _release(self, seq: Seq, cache_blocks: bool) -> None:
         """Frees the slot and the pages (full blocks of known, fed tokens go to the cache)."""
-        if self.cache is not None and cache_blocks:
+        cache = self.shard_caches[seq.shard]
+        if cache is not None and cache_blocks:
             known = seq.prompt + seq.generated
             # speculative: pos is an upper bound; the last known token (the anchor) may be
             # unprocessed, every earlier one is processed and committed
             done = min(seq.pos, len(known) - 1) if self.spec_width else min(seq.pos, len(known))
             n_blocks = min(done, len(seq.pages) * self.page_size) // self.page_size
             # A block is complete once every position in it was dispatched.
-            self.cache.insert(known, seq.pages[:n_blocks])
+            cache.insert(known, seq.pages[:n_blocks])
         self._release_slot(seq)
 
     def _release_slot(self, seq: Seq) -> None:
         """Drops the request's page references and returns its slot to the free list."""
+        pages = self.shard_pages[seq.shard]
         for p in seq.pages:
-            self.pages.release(p)
+            pages.release(p)
         seq.pages = []
         self.block_table[seq.slot] = NULL_PAGE
-        self.free_slots.append(seq.slot)
+        self.shard_free[seq.shard].append(seq.slot)
         seq.slot = None
 
     # ------------------------------------------------------------------ pages
@@ -226,20 +258,22 @@ class Scheduler:
         preemption nothing is evicted unless eviction alone covers the need. False if seq
         itself cannot get them."""
         need = self._blocks_needed(seq, end)
+        pages, cache = self.shard_pages[seq.shard], self.shard_caches[seq.shard]
         while need > 0:
-            got = self.pages.allocate(need)
+            got = pages.allocate(need)
             if got is not None:
                 for p in got:
                     self.block_table[seq.slot, len(seq.pages)] = p
                     seq.pages.append(p)
                 return True
-            short = need - self.pages.free_count
-            if (self.cache is not None and (may_preempt or self.cache.evictable() >= short)
-                    and self.cache.evict(short)):
+            short = need - pages.free_count
+            if (cache is not None and (may_preempt or cache.evictable() >= short)
+                    and cache.evict(short)):
                 continue
             if not may_preempt:
                 return False
-            victim = self.running[-1]
+            victim = (self.running[-1] if self.shards == 1 else
+                      [s for s in self.running if s.shard == seq.shard][-1])
             self._preempt(victim, plan)
             if victim is seq:
                 return False
@@ -262,6 +296,23 @@ class Scheduler:
         """Speculative: one past the last position the request can ever write."""
         return len(seq.prompt) + seq.req.max_new_tokens - 1
 
+    def _shard_order(self, seq: Seq) -> list[int]:
+        """The shards with a free slot, best first for seq (its ext set): longest prefix-cache
+        hit, then most free slots, fewest running tokens, most free pages, lowest index."""
+        open_ = [i for i in range(self.shards) if self.shard_free[i]]
+        if self.shards == 1:
+            return open_
+        max_blocks = (len(seq.ext) - 1) // self.page_size
+        tokens = [0] * self.shards
+        for s in self.running:
+            tokens[s.shard] += s.pos
+
+        def key(i):
+            cache = self.shard_caches[i]
+            hit = cache.peek(seq.ext, max_blocks) if cache is not None else 0
+            return (-hit, -len(self.shard_free[i]), tokens[i], -self.shard_pages[i].free_count, i)
+        return sorted(open_, key=key)
+
     def _admit(self, seq: Seq) -> bool:
         if seq.imported is not None:
             return self._admit_imported(seq)
@@ -269,12 +320,18 @@ class Scheduler:
         seq.resume_anchor = None
         if self.spec_width and seq.generated:   # resume: re-prefill up to the anchor
             seq.ext, seq.resume_anchor = seq.ext[:-1], seq.generated[-1]
-        seq.slot = self.free_slots.pop()
+        return any(self._admit_at(seq, shard) for shard in self._shard_order(seq))
+
+    def _admit_at(self, seq: Seq, shard: int) -> bool:
+        """Admits seq (ext set) into a free slot of `shard` if its first chunk's pages fit."""
+        seq.shard = shard
+        seq.slot = self.shard_free[shard].pop()
+        pages, cache = self.shard_pages[shard], self.shard_caches[shard]
         hit_pages = []
-        if self.cache is not None:
-            hit_pages = self.cache.match(seq.ext, max_blocks=(len(seq.ext) - 1) // self.page_size)
+        if cache is not None:
+            hit_pages = cache.match(seq.ext, max_blocks=(len(seq.ext) - 1) // self.page_size)
             for p in hit_pages:
-                self.pages.retain(p)
+                pages.retain(p)
         h = len(hit_pages) * self.page_size
         for i, p in enumerate(hit_pages):
             self.block_table[seq.slot, i] = p
@@ -295,6 +352,7 @@ class Scheduler:
         self.cache_hit_tokens += h
         seq.admit_order = self._admissions
         self._admissions += 1
+        self.shard_admissions[seq.shard] += 1
         self.running.append(seq)
         return True
 
@@ -339,7 +397,7 @@ class Scheduler:
             end = (min(seq.pos + n * self.spec_width, self._end_cap(seq)) if self.spec_width
                    else seq.pos + n)
             if end <= len(seq.pages) * ps or self._allocate(seq, end, plan, may_preempt=True):
-                decode.append(Row(seq, seq.epoch, seq.pos, n, True))
+                decode.append(Row(seq, seq.epoch, seq.pos, n, True, seq.shard))
         budget -= len(decode) * cost
         if self.waiting and self.free_slots and budget > 0:
             n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
@@ -357,7 +415,7 @@ class Scheduler:
             if self._allocate(seq, seq.pos + n, plan, may_preempt=True):
                 final = seq.pos + n == len(seq.ext)
                 plan.prefill.append(Row(seq, seq.epoch, seq.pos, n,
-                                        final and seq.resume_anchor is None))
+                                        final and seq.resume_anchor is None, seq.shard))
         plan.prefill_shape = shape
         return plan
 
@@ -367,7 +425,7 @@ class Scheduler:
         best = None
         for rows, width in self.prefill_shapes:
             left, picked = budget, []
-            for seq in cands[:rows]:
+            for seq in self._fit_rows(cands, rows):
                 n = min(width, len(seq.ext) - seq.pos, left)
                 if n <= 0:
                     break
@@ -377,6 +435,40 @@ class Scheduler:
             if best is None or key > best[0]:
                 best = (key, (rows, width), picked)
         return best[1], best[2]
+
+    def _fit_rows(self, cands: list[Seq], rows: int) -> list[Seq]:
+        """The first candidates (in order) that a sub-batch of `rows` rows holds: rows / n per
+        shard (n = 1: the first `rows`)."""
+        if self.shards == 1:
+            return cands[:rows]
+        cap, used, out = rows // self.shards, [0] * self.shards, []
+        for seq in cands:
+            if used[seq.shard] < cap:
+                used[seq.shard] += 1
+                out.append(seq)
+        return out
+
+    def sub_batch_rows(self, rows: list[Row], buckets: tuple[int, ...]) -> int:
+        """The smallest bucket (a multiple of n) whose rows / n per shard hold every shard's
+        rows."""
+        if self.shards == 1:
+            return bucket(len(rows), buckets)
+        counts = np.bincount([row.shard for row in rows], minlength=self.shards)
+        return bucket(self.shards * int(counts.max(initial=0)), buckets)
+
+    def row_positions(self, rows: list[Row], n_rows: int) -> np.ndarray:
+        """Where each row sits in a packed sub-batch of n_rows: shard i's rows (in order) at
+        the start of row block [i * n_rows / n, (i + 1) * n_rows / n); n = 1: 0..len - 1."""
+        if self.shards == 1:
+            return np.arange(len(rows))
+        block, used = n_rows // self.shards, [0] * self.shards
+        out = np.empty(len(rows), np.int64)
+        for k, row in enumerate(rows):
+            i = row.shard
+            assert used[i] < block, f"shard {i} has more than {block} rows of {n_rows}"
+            out[k] = i * block + used[i]
+            used[i] += 1
+        return out
 
     def commit_plan(self, plan: StepPlan) -> None:
         """The plan was dispatched: advance positions, count in-flight samples, and cache the
@@ -393,10 +485,11 @@ class Scheduler:
             seq.fresh = False
             seq.in_flight += row.samples
             self.prefill_tokens += row.n
-            if self.cache is not None:
+            cache = self.shard_caches[seq.shard]
+            if cache is not None:
                 n_blocks = min(seq.pos, len(seq.pages) * self.page_size) // self.page_size
                 if n_blocks > seq.row_floor // self.page_size:
-                    self.cache.insert(seq.ext, seq.pages[:n_blocks])
+                    cache.insert(seq.ext, seq.pages[:n_blocks])
 
     def commit_results(self, rows: list[Row], tokens: np.ndarray, logprobs: np.ndarray,
                        now: float) -> None:
@@ -484,18 +577,25 @@ class Scheduler:
         """The packed inputs of a sub-batch padded to n_rows: int32 [n_rows, PACK_HEAD +
         max_pages + (width or 0)], per row meta (META_COLUMNS), fparams (temperature, top_p,
         min_p as f32 bits), the block table, then the prefill tokens (`step.unpack`).
-        Padding rows: slot = max_batch, n_new = 0, top_p = 1."""
+        Padding rows: slot = max_batch, n_new = 0, top_p = 1. Row k sits at
+        `row_positions(rows, n_rows)[k]` (k itself with one shard)."""
         H = PACK_HEAD + self.max_pages
         out = np.zeros((n_rows, H + (width or 0)), np.int32)
         k = len(rows)
-        out[k:, :H] = self._pad_row
+        if self.shards == 1:
+            at = slice(None, k)
+            out[k:, :H] = self._pad_row
+        else:
+            at = self.row_positions(rows, n_rows)
+            out[:, :H] = self._pad_row
         if k:
-            out[:k, :H] = self.slot_rows[[row.seq.slot for row in rows]]
-            out[:k, 1] = [row.start for row in rows]
-            out[:k, 2] = [row.n for row in rows]
-            out[:k, 4] = [row.seq.fresh for row in rows]
+            out[at, :H] = self.slot_rows[[row.seq.slot for row in rows]]
+            out[at, 1] = [row.start for row in rows]
+            out[at, 2] = [row.n for row in rows]
+            out[at, 4] = [row.seq.fresh for row in rows]
             if width is not None:
-                for i, row in enumerate(rows):
+                at = range(k) if self.shards == 1 else at
+                for i, row in zip(at, rows):
                     seq = row.seq
                     out[i, H:H + row.n] = seq.ext_arr[row.start:row.start + row.n]
                     if self.spec_width and row.start + row.n == len(seq.ext):
@@ -512,12 +612,14 @@ class Scheduler:
         input); `on_import` writes the state into them."""
         rs = seq.imported
         assert self.on_import is not None, "an imported request needs on_import"
-        seq.slot = self.free_slots.pop()
-        seq.pages = []
-        if not self._allocate(seq, rs.position, None, may_preempt=False):
-            self._release_slot(seq)
-            return False
         seq.ext = seq.prompt + seq.generated[:-1]
+        for shard in self._shard_order(seq):
+            seq.shard, seq.slot, seq.pages = shard, self.shard_free[shard].pop(), []
+            if self._allocate(seq, rs.position, None, may_preempt=False):
+                break
+            self._release_slot(seq)
+        else:
+            return False
         seq.ext_arr = np.asarray(seq.ext, np.int32)
         seq.pos, seq.row_floor, seq.fresh, seq.resume_anchor = len(seq.ext), 0, False, None
         seq.cached_tokens = seq.replayed_tokens = 0
@@ -527,6 +629,7 @@ class Scheduler:
         head[7:10] = np.array([r.temperature, r.top_p, r.min_p], np.float32).view(np.int32)
         seq.admit_order = self._admissions
         self._admissions += 1
+        self.shard_admissions[seq.shard] += 1
         self.running.append(seq)
         self.on_import(seq, rs)
         seq.imported = None                 # a later preemption resumes by re-prefilling

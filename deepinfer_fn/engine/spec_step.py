@@ -26,6 +26,9 @@ the next token pending); a fresh slot's drafter state starts empty. On a row's f
 (SPEC_COLUMNS init = 1) it initialises the slot's speculative counters: length = end of the
 chunk, left / step from the host, anchor = the sampled token (or the resume anchor the host
 passes after a preemption).
+
+On a mesh every read and write of `spec` and `last_token` is shard-local (`step.take_slots` /
+`put_slots`), like the rings: the spec state is split by slot over the batch shards.
 """
 
 from __future__ import annotations
@@ -37,19 +40,19 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn.engine.paged_state import PagedState
-from deepinfer_fn.engine.step import (gather_state, sample_rows, scatter_state, unpack,
-                                      unpack_sampling)
+from deepinfer_fn.engine.step import (gather_state, put_slots, sample_rows, scatter_state,
+                                      take_slots, unpack, unpack_sampling)
 from deepinfer_fn.model import transformer
 from deepinfer_fn.speculative.drafter import Drafter, target_features
 from deepinfer_fn.speculative.loop import VerifyLen, profile_args, speculative_step
 
 
 def _take(x, slot):
-    return jnp.take(x, slot, axis=0, mode="clip")
+    return take_slots(x, slot)
 
 
 def _put(x, slot, value):
-    return x.at[slot].set(value.astype(x.dtype), mode="drop")
+    return put_slots(x, slot, value)
 
 
 def _where_rows(cond, a, b):
@@ -67,11 +70,11 @@ def init_spec_slots(params, drafter: Drafter, weights, *, max_batch: int, max_le
 
 
 def _gather_drafter(tree, slot):
-    return jax.tree.map(lambda x: _take(x, slot), tree)
+    return take_slots(tree, slot)
 
 
 def _scatter_drafter(tree, new, slot):
-    return jax.tree.map(lambda x, v: _put(x, slot, v), tree, new)
+    return put_slots(tree, slot, new)
 
 
 # --- prefill --------------------------------------------------------------------------------

@@ -26,6 +26,12 @@ host -> device transfer per call, one device -> host transfer for tokens + logpr
 reused slot: stale positions must not look valid); the compressor ring is only read for
 positions >= start (or for rows below row_floor, which are dropped), so it needs no reset.
 
+On a mesh (the engine runs under `jax.set_mesh`): the slot and page axes of the PagedState are
+split over the batch shards dp x ep and a sub-batch's row block i belongs to shard i;
+`gather_state`, `scatter_state`, `take_slots` and `put_slots` run per shard
+(`shardings.mesh.per_batch_shard`, slot ids made shard-local, block tables shard-local), so
+no ring or pool ever leaves its shard; without a mesh they are the plain functions.
+
 Cost note: the gather materialises each row's whole block table of rows (max_len // m per
 layer) every call; a paged attention kernel reading the pools in place would avoid that copy.
 """
@@ -39,12 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_fn.engine.paged_state import POOL_KEYS, PagedState
+from deepinfer_fn.engine.paged_state import POOL_KEYS, PagedState, shard_axes
 from deepinfer_fn.engine.scheduler import META_COLUMNS, PACK_HEAD  # noqa: F401 (packed layout)
 from deepinfer_fn.model import transformer
 from deepinfer_fn.sampling import SamplingParams, sample
 from deepinfer_fn.state import DecodeState
 from deepinfer_fn.structured import unpack_bitmask
+# Module import (attributes read at call time): shardings/__init__ imports deepinfer_fn.
+from shardings import mesh as mesh_rules
 
 
 
@@ -116,29 +124,84 @@ def unpack_sampling(meta, fparams) -> SamplingParams:
                           seed=jax.lax.bitcast_convert_type(meta[:, 6], jnp.uint32))
 
 
+def local_slots(slot, shard, slots_per_shard: int):
+    """Global slot ids -> the ids within batch shard `shard` (0 without a mesh: unchanged).
+    Rows of another shard's slots never reach a shard; padding (slot = max_batch) stays out
+    of range."""
+    if isinstance(shard, int) and shard == 0:
+        return slot
+    return slot - shard * slots_per_shard
+
+
+def take_slots(tree, slot):
+    """Rows `slot` [B] of per-slot arrays (slot axis leading: `last_token`, `spec`) ->
+    leaves [B, ...]; padding slots clip. On a mesh each batch shard reads its own slots."""
+    def local(shard, tree, slot):
+        s = local_slots(slot, shard, jax.tree.leaves(tree)[0].shape[0])
+        return jax.tree.map(lambda x: jnp.take(x, s, axis=0, mode="clip"), tree)
+    if not jax.tree.leaves(tree):
+        return tree
+    return mesh_rules.per_batch_shard(local, (tree, slot), (0, 0), 0)
+
+
+def put_slots(tree, slot, new):
+    """Writes rows new [B, ...] into per-slot arrays at `slot` [B] (padding slots dropped;
+    shard-local on a mesh)."""
+    def local(shard, tree, slot, new):
+        s = local_slots(slot, shard, jax.tree.leaves(tree)[0].shape[0])
+        return jax.tree.map(lambda x, v: x.at[s].set(v.astype(x.dtype), mode="drop"), tree, new)
+    if not jax.tree.leaves(tree):
+        return tree
+    return mesh_rules.per_batch_shard(local, (tree, slot, new), (0, 0, 0), 0)
+
+
+def _decode_axes(layers, pools=None):
+    """A DecodeState layer stack of batch axes (1 on scanned groups), keys of both stacks."""
+    others = () if pools is None else (pools,)
+    return layers.map_blocks(lambda scanned, *trees: {k: int(scanned) for t in trees for k in t},
+                             *others)
+
+
 def gather_state(state: PagedState, slot, start, fresh, block_table) -> DecodeState:
     """The contiguous `DecodeState` of a sub-batch's rows (slot [B], lengths = start [B]):
     their per-slot rings (window ring emptied where fresh > 0) and, through block_table, their
-    compressed rows."""
-    def one(scanned, sl, rows):
-        sl = dict(sl)
-        sl["window_pos"] = jnp.where(fresh[:, None] > 0, -1, sl["window_pos"])
-        sl.update(rows)
-        return sl
-    layers = _gather_slots(state.slots, slot).map_blocks(one, _gather_rows(state.pools, block_table))
-    return DecodeState(layers, start, state.max_len, state.window_slots)
+    compressed rows. On a mesh: per batch shard, from its own slots and pool (row block i of
+    the sub-batch = shard i's rows, block_table of shard-local page ids)."""
+    def local(shard, state, slot, start, fresh, block_table):
+        slot = local_slots(slot, shard, state.max_batch)
+
+        def one(scanned, sl, rows):
+            sl = dict(sl)
+            sl["window_pos"] = jnp.where(fresh[:, None] > 0, -1, sl["window_pos"])
+            sl.update(rows)
+            return sl
+        layers = _gather_slots(state.slots, slot).map_blocks(
+            one, _gather_rows(state.pools, block_table))
+        return DecodeState(layers, start, state.max_len, state.window_slots)
+    out_axes = DecodeState(_decode_axes(state.slots, state.pools), 0, state.max_len,
+                           state.window_slots)
+    return mesh_rules.per_batch_shard(local, (state, slot, start, fresh, block_table),
+                                      (shard_axes(state), 0, 0, 0, 0), out_axes)
 
 
 def scatter_state(state: PagedState, new: DecodeState, slot, block_table, start, n_new,
                   row_floor, S: int) -> PagedState:
     """Writes a sub-batch's new `DecodeState` back: per-slot rings by slot, and the pages that
-    positions [start, start + n_new) touched (S: the chunk width, bounds the pages)."""
-    new_slots = new.layers.map_blocks(
-        lambda scanned, layer: {k: v for k, v in layer.items() if k not in POOL_KEYS})
-    return dataclasses.replace(
-        state, slots=_scatter_slots(state.slots, new_slots, slot),
-        pools=_scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
-                            state.page_size, S))
+    positions [start, start + n_new) touched (S: the chunk width, bounds the pages). On a
+    mesh: per batch shard, into its own slots and pool (as `gather_state`)."""
+    def local(shard, state, new, slot, block_table, start, n_new, row_floor):
+        slot = local_slots(slot, shard, state.max_batch)
+        new_slots = new.layers.map_blocks(
+            lambda scanned, layer: {k: v for k, v in layer.items() if k not in POOL_KEYS})
+        return dataclasses.replace(
+            state, slots=_scatter_slots(state.slots, new_slots, slot),
+            pools=_scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
+                                state.page_size, S))
+    axes = shard_axes(state)
+    new_axes = DecodeState(_decode_axes(new.layers), 0, new.max_len, new.window_slots)
+    return mesh_rules.per_batch_shard(
+        local, (state, new, slot, block_table, start, n_new, row_floor),
+        (axes, new_axes, 0, 0, 0, 0, 0), axes)
 
 
 def _forward(params, state: PagedState, meta, block_table, tokens):
@@ -146,7 +209,7 @@ def _forward(params, state: PagedState, meta, block_table, tokens):
     untouched, logits f32 [B, V] of each row's last token)."""
     slot, start, n_new, row_floor, fresh = (meta[:, i] for i in range(5))
     if tokens is None:
-        tokens = jnp.take(state.last_token, slot, mode="clip")[:, None]
+        tokens = take_slots(state.last_token, slot)[:, None]
     S = tokens.shape[1]
     dstate = gather_state(state, slot, start, fresh, block_table)
     logits, new, _ = transformer.forward_chunk(params, dstate, tokens, n_new, row_floor=row_floor)
@@ -162,7 +225,7 @@ def _sample_write(state: PagedState, logits, meta, fparams, allowed=None):
         sampled, logp = sample_rows(logits, unpack_sampling(meta, fparams), start + n_new)
     else:
         sampled, logp = sample(logits, unpack_sampling(meta, fparams), start + n_new, allowed)
-    state = dataclasses.replace(state, last_token=state.last_token.at[slot].set(sampled, mode="drop"))
+    state = dataclasses.replace(state, last_token=put_slots(state.last_token, slot, sampled))
     return state, sampled, logp
 
 

@@ -55,15 +55,17 @@ def ring_read(buf: jax.Array, pos: jax.Array) -> jax.Array:
 
 
 def window(ls: dict, kv_new: jax.Array, pos: jax.Array, valid: jax.Array, start: jax.Array,
-           cfg: ModelConfig):
+           cfg: ModelConfig, floor=None):
     """(keys [B, W_slots + S, d], ok bool [B, S, W_slots + S], new ring): ring entries of
-    positions before the chunk plus the chunk's own keys, within the window of each query."""
+    positions before the chunk plus the chunk's own keys, within the window of each query.
+    floor [B] (optional): keys below this position are not read (decoder bounded replay)."""
     W = cfg.sliding_window
     t = pos[:, :, None]
+    lo = t - W if floor is None else jnp.maximum(t - W, floor[:, None, None] - 1)
     rp = ls["window_pos"][:, None, :]
-    ok_ring = (rp >= 0) & (rp < start[:, None, None]) & (rp <= t) & (rp > t - W)
+    ok_ring = (rp >= 0) & (rp < start[:, None, None]) & (rp <= t) & (rp > lo)
     cp = pos[:, None, :]
-    ok_chunk = valid[:, None, :] & (cp <= t) & (cp > t - W)
+    ok_chunk = valid[:, None, :] & (cp <= t) & (cp > lo)
     keys = jnp.concatenate([ls["window_kv"], kv_new.astype(ls["window_kv"].dtype)], axis=1)
     ok = jnp.concatenate([ok_ring, ok_chunk], axis=-1)
     ring = {"window_kv": ring_write(ls["window_kv"], pos, kv_new, valid),
@@ -72,10 +74,12 @@ def window(ls: dict, kv_new: jax.Array, pos: jax.Array, valid: jax.Array, start:
 
 
 def source_update(p, ls: dict, x: jax.Array, pos: jax.Array, valid: jax.Array, code: int,
-                  cfg: ModelConfig) -> dict:
+                  cfg: ModelConfig, row_floor=None) -> dict:
     """A kv source's new state entries after the chunk x [B, S, D] (attention input):
     rows / keys (and for code 2 the raw kappa / gate ring; a pair closing at the chunk's
-    first token takes its partner, position start - 1, from there)."""
+    first token takes its partner, position start - 1, from there). row_floor [B]
+    (optional): rows at positions below it are not written (the state's are kept); the
+    kappa / gate ring is written regardless."""
     eps = cfg.rms_norm_eps
     cp = p["compressor"]
     new = {}
@@ -95,6 +99,8 @@ def source_update(p, ls: dict, x: jax.Array, pos: jax.Array, valid: jax.Array, c
         new["pend_gate"] = ring_write(ls["pend_gate"], pos, gate, valid)
     freqs = lat.compress_freqs(cfg)
     row_pos = code * row_idx
+    if row_floor is not None:
+        emit &= row_pos >= row_floor[:, None]
     new["rows"] = _scatter_rows(ls["rows"], row_idx, lat.rotate(L, row_pos, freqs), emit)
     new["keys"] = _scatter_rows(ls["keys"], row_idx,
                                 lat.index_keys(p["indexer"], L, row_pos, freqs, eps), emit)
@@ -102,9 +108,13 @@ def source_update(p, ls: dict, x: jax.Array, pos: jax.Array, valid: jax.Array, c
 
 
 def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Array,
-                    kind: str, shared: dict, cfg: ModelConfig):
+                    kind: str, shared: dict, cfg: ModelConfig, row_floor=None,
+                    window_floor=None):
     """One V4.1 layer over a chunk: x [B, S, D] (after attn_norm) at positions start + i,
-    entries i >= n_new padding. Returns (out [B, S, D], new layer state, new shared)."""
+    entries i >= n_new padding. Returns (out [B, S, D], new layer state, new shared).
+    row_floor [B] (optional, token positions): a kv source writes no row below it (prefix
+    replay keeps the shared rows); window_floor [B] (optional): window keys below it are
+    not read (decoder SWA bounded replay, `model.replay_v41`)."""
     B, S, _ = x.shape
     lt, roles = roles_of(kind)
     code = lat.layer_code(cfg, lt)
@@ -112,10 +122,10 @@ def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Arra
     cos, sin = rope_cos_sin(pos, rope_frequencies(cfg, lt), x.dtype)
     q, c_q = query(p, x, cos, sin, cfg)
     kv = kv_projection(p, x, cos, sin, cfg)
-    keys, ok, new_ls = window(ls, kv, pos, valid, start, cfg)
+    keys, ok, new_ls = window(ls, kv, pos, valid, start, cfg, window_floor)
     if code:
         if "kv_source" in roles:
-            src = source_update(p, ls, x, pos, valid, code, cfg)
+            src = source_update(p, ls, x, pos, valid, code, cfg, row_floor)
             new_ls.update(src)
             shared = {**shared, "latents": {**shared["latents"],
                                             code: {"rows": src["rows"], "keys": src["keys"]}}}

@@ -172,15 +172,16 @@ def chunk_history(state: V41DecodeState, consts: engram.HashConstants) -> jax.Ar
 
 
 def layer_chunk(lp, ls, carry, layer_id, kind: str, token_ids, row_ids, start, n_new,
-                cfg: ModelConfig):
+                cfg: ModelConfig, row_floor=None, window_floor=None):
     """One V4.1 layer over a chunk against its state ls: carry (streams [B,S,n,D], pending
-    [B,S,n], shared buffers) -> (new carry, new layer state)."""
+    [B,S,n], shared buffers) -> (new carry, new layer state). row_floor / window_floor [B]
+    (optional): as `cached_v41.attention_chunk`."""
     streams, pending, shared = carry
     streams = maybe_engram(lp, streams, layer_id, kind, token_ids, row_ids, cfg)
 
     def attend(h):
         out, new_ls, new_shared = attention_chunk(lp["attn"], h, ls, start, n_new, kind, shared,
-                                                  cfg)
+                                                  cfg, row_floor, window_floor)
         return out, (new_ls, new_shared)
 
     streams, pending, (new_ls, shared) = lagged_sublayer(
@@ -193,10 +194,13 @@ def layer_chunk(lp, ls, carry, layer_id, kind: str, token_ids, row_ids, start, n
 
 
 def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array, *,
-                  all_logits: bool = False, token_map=None):
+                  all_logits: bool = False, token_map=None, row_floor=None):
     """A chunk against a V4.1 decode state (prefill chunk, decode step or verify chunk).
 
     token_ids [B, S] int32 (entries past n_new[b] are padding); n_new [B] int32 in [0, S].
+    row_floor [B] int32 (optional): kv sources write no latent / index-key row at a position
+    below it (prefix-cache replay keeps the shared exact rows, docs/MODEL.md §7); window
+    rings, the code-2 kappa / gate ring and the token ring are still written.
     Returns (logits, new state, streams): logits float32 [B, S, V] if all_logits, else those
     of each row's last valid token [B, V]; streams [B, S, n, D] the final residual streams.
     Scanned layer groups run as one `lax.scan` (the shared buffers in the carry, the layer
@@ -209,6 +213,8 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
     token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1).astype(jnp.int32)
     n_new = n_new.astype(jnp.int32)
     start = state.lengths
+    if row_floor is not None:
+        row_floor = jnp.broadcast_to(jnp.asarray(row_floor, jnp.int32), (B,))
     row_ids = None
     if cfg.engram_layer_ids:
         consts = engram.HashConstants.from_config(cfg)
@@ -226,7 +232,8 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
     for g, pblk, sblk in zip(groups, players.blocks, slayers.blocks):
         if not g.scanned:
             (kind, _), = g.kinds
-            carry, new_ls = layer_chunk(pblk[0], sblk[0], carry, g.start, kind, *args)
+            carry, new_ls = layer_chunk(pblk[0], sblk[0], carry, g.start, kind, *args,
+                                        row_floor=row_floor)
             new_blocks.append((new_ls,))
             continue
 
@@ -235,7 +242,7 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
             outs = []
             for j, (kind, _) in enumerate(g.kinds):
                 carry, new_ls = layer_chunk(lps[j], lss[j], carry, g.start + r * g.unit + j,
-                                            kind, *args)
+                                            kind, *args, row_floor=row_floor)
                 outs.append(new_ls)
             return carry, tuple(outs)
 
