@@ -321,13 +321,12 @@ def test_constrained_requests_run_plain_in_a_speculative_engine():
 @pytest.mark.parametrize("method", ["dspark", pytest.param("mtp", marks=pytest.mark.heavy)])
 def test_multi_step_speculative_decode_equals_generate(method):
     """Every request admitted at once: the engine runs several verify steps per device call
-    (decode_steps = 4) and reproduces generate(..., speculative=...)'s tokens, greedy and
+    (the default decode_steps = 8, the program the other engines here share) and reproduces generate(..., speculative=...)'s tokens, greedy and
     sampled, in both scheduling modes."""
     prompts = prompts_long()[:4]
     want, _ = spec_reference(method, prompts, TEMPS[:4], SEEDS[:4])
     for async_scheduling in (True, False):
-        eng = engine(method, max_tokens_per_step=512, decode_steps=4,
-                     async_scheduling=async_scheduling)
+        eng = engine(method, max_tokens_per_step=512, async_scheduling=async_scheduling)
         outs = eng.generate(requests(prompts, TEMPS[:4], SEEDS[:4]))
         assert [o.tokens for o in outs] == want
         m = eng.last_run
