@@ -121,6 +121,9 @@ def mtp_forward(params: Params, tokens) -> jax.Array:
     if not isinstance(params, Params):
         raise ArgumentTypeError(f"mtp_forward: params must be deepinfer_fn.Params, got "
                                 f"{type(params).__name__}")
+    if params.config.is_v41:
+        raise ArgumentError("mtp_forward: DeepSeek-V4.1 has no MTP block (its mtp.0..2 stages "
+                            "are the DSpark drafter: generate(..., speculative='dspark'))")
     tokens = as_token_array(tokens)
     check_tokens(tokens, params.config)
     if tokens.shape[1] < 2:

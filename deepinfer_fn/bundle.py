@@ -99,6 +99,8 @@ class Model:
     @property
     def speculative(self) -> tuple[str, ...]:
         """The speculative methods this bundle runs without extra arguments."""
+        if self.params.config.is_v41:        # its DSpark stages are the mtp.* params
+            return ("dspark",) if self.params["mtp"] else ()
         return (("mtp",) if len(self.params["mtp"]) else ()) + \
                (("dspark",) if self.drafter is not None else ())
 
@@ -149,7 +151,7 @@ def unpack(model, *, speculative: str | None = None, drafter=None, tokenizer=Non
                                 f"Params (load_params / init_params), got {describe(model)}")
     check_tokenizer(where, tokenizer, params.config)
     if drafter is None and speculative == "dspark":
-        if isinstance(model, Model) and own_drafter is None:
+        if isinstance(model, Model) and own_drafter is None and not params.config.is_v41:
             raise ArgumentError(
                 f"{where}: speculative='dspark' but {model!r} has no DSpark drafter (no "
                 f"{DRAFTER_DIR}/ directory next to its checkpoint); pass drafter="
@@ -278,9 +280,15 @@ def model_tokenizer(path: str | None, cfg: ModelConfig) -> text.Tokenizer | None
 
 def model_drafter(path: str, params: Params, dtype, drafter) -> DSpark | None:
     """The DSpark drafter: `drafter` True -> `path/dspark/` when present, False -> none, a
-    path -> that drafter directory (required)."""
+    path -> that drafter directory (required). A V4.1 checkpoint has none: its DSpark
+    stages are the mtp.* tensors in `params` (`speculative.dspark_v41`)."""
     if drafter is False:
         return None
+    if params.config.is_v41:
+        if drafter is True:
+            return None
+        raise ArgumentError(f"load_model: drafter={drafter!r}, but a DeepSeek-V4.1 checkpoint "
+                            f"carries its DSpark drafter as its mtp.* tensors (drafter=True)")
     if drafter is True:
         where = os.path.join(path, DRAFTER_DIR)
         if not os.path.isdir(where):

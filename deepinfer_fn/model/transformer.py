@@ -115,11 +115,9 @@ def forward_chunk(params, state, token_ids, n_new, *, all_logits: bool = False, 
     """
     cfg = params.config
     if cfg.is_v41:
-        if taps is not None:
-            raise NotImplementedError("forward_chunk: taps are not implemented for "
-                                      "DeepSeek-V4.1")
         return transformer_v41.forward_chunk(params, state, token_ids, n_new,
-                                             all_logits=all_logits, row_floor=row_floor)
+                                             all_logits=all_logits, row_floor=row_floor,
+                                             taps=taps, tap=tap)
     B, S = token_ids.shape
     token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1)
     start = state.lengths

@@ -193,8 +193,23 @@ def layer_chunk(lp, ls, carry, layer_id, kind: str, token_ids, row_ids, start, n
     return (streams, pending, shared), {**ls, **new_ls}
 
 
+def without_engram(kind: str) -> str:
+    """A layer kind without its Engram role (the Engram update already applied)."""
+    return "+".join(p for p in kind.split("+") if p != "engram")
+
+
+def check_taps(cfg: ModelConfig, taps, tap: str) -> None:
+    """ValueError unless taps are layer ids of cfg and tap is "pre" or "post"."""
+    if tap not in ("pre", "post"):
+        raise ValueError(f"tap must be 'pre' or 'post', got {tap!r}")
+    bad = [i for i in taps if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"tap layer ids {bad} outside [0, {cfg.num_hidden_layers})")
+
+
 def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array, *,
-                  all_logits: bool = False, token_map=None, row_floor=None):
+                  all_logits: bool = False, token_map=None, row_floor=None,
+                  taps: tuple[int, ...] | None = None, tap: str = "pre"):
     """A chunk against a V4.1 decode state (prefill chunk, decode step or verify chunk).
 
     token_ids [B, S] int32 (entries past n_new[b] are padding); n_new [B] int32 in [0, S].
@@ -204,7 +219,11 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
     Returns (logits, new state, streams): logits float32 [B, S, V] if all_logits, else those
     of each row's last valid token [B, V]; streams [B, S, n, D] the final residual streams.
     Scanned layer groups run as one `lax.scan` (the shared buffers in the carry, the layer
-    states as scan inputs / outputs); the new state has the params' grouping."""
+    states as scan inputs / outputs); the new state has the params' grouping.
+
+    taps (layer ids, the DSpark target features of docs/MODEL.md §V5.2): also return a 4th
+    output, features [B, S, len(taps), D], the residual streams averaged over the n copies
+    at the tapped layer's input after its Engram update ("pre") or at its output ("post")."""
     cfg = params.config
     if not isinstance(state, V41DecodeState):
         raise TypeError(f"forward_chunk: a V4.1 model needs a state.V41DecodeState, got "
@@ -228,34 +247,61 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
     players = as_stack(groups, params["layers"])
     slayers = as_stack(groups, state.layers)
     args = (token_ids, row_ids, start, n_new, cfg)
+    if taps is not None:
+        check_taps(cfg, taps, tap)
+    tap_set, tapped = set(taps or ()), {}
+
+    def run_layer(lp, ls, carry, layer_id, kind, with_tap: bool):
+        """layer_chunk, plus the layer's feature [B, S, D] when with_tap (else None)."""
+        if not with_tap:
+            return layer_chunk(lp, ls, carry, layer_id, kind, *args,
+                               row_floor=row_floor) + (None,)
+        streams, pending, shared = carry
+        streams = maybe_engram(lp, streams, layer_id, kind, token_ids, row_ids, cfg)
+        carry, new_ls = layer_chunk(lp, ls, (streams, pending, shared), layer_id,
+                                    without_engram(kind), *args, row_floor=row_floor)
+        return carry, new_ls, (streams if tap == "pre" else carry[0]).mean(axis=2)
+
     new_blocks = []
     for g, pblk, sblk in zip(groups, players.blocks, slayers.blocks):
         if not g.scanned:
             (kind, _), = g.kinds
-            carry, new_ls = layer_chunk(pblk[0], sblk[0], carry, g.start, kind, *args,
-                                        row_floor=row_floor)
+            carry, new_ls, f = run_layer(pblk[0], sblk[0], carry, g.start, kind,
+                                         g.start in tap_set)
+            if f is not None:
+                tapped[g.start] = f
             new_blocks.append((new_ls,))
             continue
+        # unit positions j with a tapped layer in this group: their features per repeat
+        tap_pos = sorted({g.locate(i)[1] for i in tap_set if g.start <= i < g.stop})
 
-        def body(carry, xs, g=g):
+        def body(carry, xs, g=g, tap_pos=tap_pos):
             lps, lss, r = xs
-            outs = []
+            outs, feats = [], []
             for j, (kind, _) in enumerate(g.kinds):
-                carry, new_ls = layer_chunk(lps[j], lss[j], carry, g.start + r * g.unit + j,
-                                            kind, *args, row_floor=row_floor)
+                carry, new_ls, f = run_layer(lps[j], lss[j], carry, g.start + r * g.unit + j,
+                                             kind, j in tap_pos)
                 outs.append(new_ls)
-            return carry, tuple(outs)
+                if f is not None:
+                    feats.append(f)
+            return carry, (tuple(outs), tuple(feats))
 
-        carry, new_sts = jax.lax.scan(
+        carry, (new_sts, ys) = jax.lax.scan(
             body, carry, (pblk, sblk, jnp.arange(g.repeats, dtype=jnp.int32)))
+        for i in tap_set:
+            if g.start <= i < g.stop:
+                r, j = g.locate(i)
+                tapped[i] = ys[tap_pos.index(j)][r]
         new_blocks.append(new_sts)
     streams, pending, _ = carry
     pos, valid = chunk_positions(start, n_new, S)
     tokens = ring_write(state.token_ring, pos, token_ids, valid)
     new_state = V41DecodeState(LayerStack(groups, tuple(new_blocks)), tokens, start + n_new,
                                state.max_len, state.window_slots)
+    extra = () if taps is None else (jnp.stack([tapped[i] for i in taps], axis=2),)
     if all_logits:
-        return head_logits(params, streams, pending), new_state, streams
+        return (head_logits(params, streams, pending), new_state, streams) + extra
     last = jnp.clip(n_new - 1, 0, S - 1)
     take = lambda a: jnp.take_along_axis(a, last.reshape((B, 1) + (1,) * (a.ndim - 2)), axis=1)
-    return head_logits(params, take(streams), take(pending))[:, 0], new_state, streams
+    return (head_logits(params, take(streams), take(pending))[:, 0], new_state,
+            streams) + extra

@@ -193,6 +193,9 @@ def _resolve(params, weights, num_draft_tokens):
     k = 3 if num_draft_tokens is None else num_draft_tokens
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ArgumentError(f"num_draft_tokens must be a positive int, got {k!r}")
+    if params.config.is_v41:
+        raise ArgumentError("speculative='mtp': DeepSeek-V4.1 has no MTP block (its mtp.0..2 "
+                            "tensors are the DSpark drafter's stages); use speculative='dspark'")
     if not params["mtp"]:
         raise ArgumentError("speculative='mtp' needs params with an MTP block (these have none)")
     return None, int(k)

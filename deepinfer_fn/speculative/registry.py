@@ -2,16 +2,17 @@
 
 `generate(..., speculative=name)`, `stream_generate` and `Engine(speculative=name)` look the
 name up here; nothing else branches on it. A new drafter is one module defining a `Drafter`,
-plus its line below (or `register(drafter)` at run time, e.g. from a test).
+plus its line below (or `register(drafter)` at run time, e.g. from a test). "dspark" serves
+V4 drafters and V4.1 checkpoint drafters (`dspark_select`).
 """
 
 from __future__ import annotations
 
 from deepinfer_fn.errors import ArgumentError
-from deepinfer_fn.speculative import dspark, mtp
+from deepinfer_fn.speculative import dspark_select, mtp
 from deepinfer_fn.speculative.drafter import Drafter
 
-_DRAFTERS: dict[str, Drafter] = {"mtp": mtp.DRAFTER, "dspark": dspark.DRAFTER}
+_DRAFTERS: dict[str, Drafter] = {"mtp": mtp.DRAFTER, "dspark": dspark_select.DRAFTER}
 _BUILT_IN = frozenset(_DRAFTERS)
 
 
