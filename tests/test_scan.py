@@ -241,8 +241,10 @@ def test_compile_time_independent_of_depth():
     for _ in range(3):
         for n in (4, 16):
             times[n].append(_compile_seconds(cfg_of(n)))
+    # A per-layer compile would make 16 layers ~4x the 4-layer time; 2x leaves room for a busy
+    # machine (one CI run measured 2.2 s vs 1.35 s while other compiles ran).
     small, big = min(times[4]), min(times[16])
-    assert big <= 1.5 * small, times
+    assert big <= 2.0 * small, times
 
 
 # ----------------------------------------------------------------------------- abstract
