@@ -76,6 +76,11 @@ HEAVY_IN_CI = {
     "test_engine.py::test_engine_bounded_replay_follows_the_recipe",
     "test_batch.py::test_round_trip_content_usage_and_finish_match_the_engine",
     "test_generate.py::test_greedy_generate_equals_forward_argmax_rollout",
+    "test_fuzz_engine.py::test_engine_fuzz_request_mix[2-False]",
+    "test_batch.py::test_stop_sequence_ends_the_response_and_the_engine_request",
+    "test_fuzz_api.py::test_generate_valid_and_mixed_fuzz",
+    "test_engine_structured.py::test_engine_constrained_matches_generate_and_is_valid[True]",
+    "test_compile.py::test_generate_compiles_few_programs_and_reuses_them",
 }
 
 
