@@ -345,23 +345,40 @@ def draft(drafter: DSpark, params, dstate: DecodeState, anchor, sampling: Sampli
     P = dstate.lengths
     positions = P[:, None] + jnp.arange(g, dtype=jnp.int32)
     ids = jnp.concatenate([anchor[:, None], jnp.full((B, g - 1), dcfg.noise_token_id, jnp.int32)], 1)
-    ring_pos = dstate.layers[0]["window_pos"]                               # [B,C]
-    ok = (ring_pos >= 0) & (ring_pos < P[:, None]) & (ring_pos >= (P - dcfg.window)[:, None])
-    ctx_bias = jnp.broadcast_to(jnp.where(ok, 0.0, NEG_INF)[:, None, :], (B, g, ring_pos.shape[1]))
+    ctx_bias = context_bias(dstate.layers[0]["window_pos"], P, dcfg.window, g)
     h = stage_stack(drafter, cfg, params["embed"], ids, positions,
                     tuple(ls["window_kv"] for ls in dstate.layers), ctx_bias,
                     jnp.zeros((B, g, g), jnp.float32))
     U = base_logits(drafter, params["head"], h, cfg.rms_norm_eps)       # [B,γ,V]
+    return markov_pass(drafter, h, U, anchor, sampling, step, confidence_logits,
+                       constrain=constrain)
+
+
+def context_bias(ring_pos, P, window: int, g: int):
+    """f32 [B,g,C] additive mask (0 / -inf) of the injected context keys: ring entries
+    ring_pos [B,C] holding committed positions in [P - window, P) for P [B]."""
+    ok = (ring_pos >= 0) & (ring_pos < P[:, None]) & (ring_pos >= (P - window)[:, None])
+    return jnp.broadcast_to(jnp.where(ok, 0.0, NEG_INF)[:, None, :], (P.shape[0], g, ring_pos.shape[1]))
+
+
+def markov_pass(drafter, h, U, anchor, sampling: SamplingParams, step, confidence, *,
+                constrain=None):
+    """The sequential Markov pass of a DSpark draft (V4 and V4.1): draft k + 1 is drawn from
+    U[:, k] + the Markov bias of draft k (draft 0: the anchor), one [r] x [r,V] per slot.
+
+    h [B,γ,D] the stages' hidden, U [B,γ,V] their base logits; confidence(drafter, h_k, e_k)
+    the drafter's confidence head. Returns (drafts int32 [B,γ], q_logits f32 [B,γ,V],
+    conf_logits f32 [B,γ]) (+ (masks [B,γ+1,W], stop [B,γ]) under `constrain`, as `draft`)."""
+    from deepinfer_fn.structured import unpack_bitmask
     prev = anchor
     drafts, qs, confs = [], [], []
     m = None if constrain is None else constrain[0]
     masks, stops = [m], []
-    for k in range(g):            # sequential Markov pass (tiny: one [r] x [r,V] per slot)
+    for k in range(U.shape[1]):
         bias, e = markov(drafter, prev)
-        confs.append(confidence_logits(drafter, h[:, k], e))
+        confs.append(confidence(drafter, h[:, k], e))
         logits = U[:, k] + bias
         if constrain is not None:
-            from deepinfer_fn.structured import unpack_bitmask
             logits = jnp.where(unpack_bitmask(m, logits.shape[-1]), logits, -jnp.inf)
         x, q = draw(logits, sampling, step, k)
         drafts.append(x)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from deepinfer_fn import kernels
 from deepinfer_fn.config import SCORE_MOE, SWA, ModelConfig
 from deepinfer_fn.errors import ArgumentError
-from deepinfer_fn.model.attention import NEG_INF, kv_projection, output_projection
+from deepinfer_fn.model.attention import kv_projection, output_projection
 from deepinfer_fn.model.attention_v41 import query
 from deepinfer_fn.model.lagged_mhc import final_collapse, initial_pending, lagged_sublayer
 from deepinfer_fn.model.moe import moe_layer
@@ -48,8 +48,8 @@ from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 from deepinfer_fn.params import Params, dspark_stage_config, init_tree, v41_dspark_specs
 from deepinfer_fn.sampling import SamplingParams
 from deepinfer_fn.speculative.drafter import Draft, Drafter
-from deepinfer_fn.speculative.dspark import DSparkError, base_logits, markov, push
-from deepinfer_fn.speculative.mtp import draw
+from deepinfer_fn.speculative.dspark import (DSparkError, base_logits, context_bias,
+                                             markov_pass, push)
 from deepinfer_fn.state import DecodeState
 
 TAP = "pre"
@@ -192,37 +192,13 @@ def draft(drafter: DSparkV41, params, dstate: DecodeState, anchor, sampling: Sam
     positions = P[:, None] + jnp.arange(g, dtype=jnp.int32)
     ids = jnp.concatenate(
         [anchor[:, None], jnp.full((B, g - 1), cfg.dspark_noise_token_id, jnp.int32)], 1)
-    ring_pos = dstate.layers[0]["window_pos"]                               # [B,C]
-    ok = (ring_pos >= 0) & (ring_pos < P[:, None]) & \
-        (ring_pos >= (P - cfg.sliding_window)[:, None])
-    ctx_bias = jnp.broadcast_to(jnp.where(ok, 0.0, NEG_INF)[:, None, :], (B, g, ring_pos.shape[1]))
+    ctx_bias = context_bias(dstate.layers[0]["window_pos"], P, cfg.sliding_window, g)
     h = stage_stack(drafter, cfg, params["embed"], ids, positions,
                     tuple(ls["window_kv"] for ls in dstate.layers), ctx_bias,
                     jnp.zeros((B, g, g), jnp.float32))
     U = base_logits(drafter, params["head"], h, cfg.rms_norm_eps)       # [B,γ,V]
-    prev = anchor
-    drafts, qs, confs = [], [], []
-    m = None if constrain is None else constrain[0]
-    masks, stops = [m], []
-    for k in range(g):            # sequential Markov pass
-        bias, e = markov(drafter, prev)
-        confs.append(confidence_logits(drafter, h[:, k], e))
-        logits = U[:, k] + bias
-        if constrain is not None:
-            from deepinfer_fn.structured import unpack_bitmask
-            logits = jnp.where(unpack_bitmask(m, logits.shape[-1]), logits, -jnp.inf)
-        x, q = draw(logits, sampling, step, k)
-        drafts.append(x)
-        qs.append(q)
-        prev = x
-        if constrain is not None:
-            m, stop = constrain[1](x)
-            masks.append(m)
-            stops.append(stop)
-    out = jnp.stack(drafts, 1), jnp.stack(qs, 1), jnp.stack(confs, 1)
-    if constrain is None:
-        return out
-    return out + (jnp.stack(masks, 1), jnp.stack(stops, 1))
+    return markov_pass(drafter, h, U, anchor, sampling, step, confidence_logits,
+                       constrain=constrain)
 
 
 # ------------------------------------------------------------------------------- the Drafter
