@@ -115,6 +115,23 @@ acceptance_rate, tau (tokens committed per row per verify step, bonus included),
 all_accepted_tokens_per_s (row-steps x (1 + γ) / wall, spec §4.2's "1 + γ" figure) next to the
 real throughput_tokens_per_s; RequestMetrics.verified / accepted per step.
 
+DeepSeek-V4.1 (`cfg.is_v41`, docs/MODEL.md §V3-V4): the slots hold `V41DecodeState`'s rings
+(window rings on every layer, the code-2 sources' kappa / gate rings, a token ring per slot for
+Engram's n-gram history) and the pools the kv sources' latents and index keys (16-token pages
+by default). A prefix-cache hit keeps the cached latents / index keys below h and rebuilds the
+rings (token ring included) by replaying from h - R (rounded down to an even position: code-2
+pairs; R >= engram_max_ngram_size - 1 is required), as `model.replay_v41.replay_logits`.
+Decoder SWA bounded replay (`decoder_swa_bounded_replay`, default on for V4.1 plain engines,
+refused for V4 and speculative engines): every prefill extend runs `replay_v41.extend`, the late
+layers (from the last kv source) and the head on the last sliding_window rows of the chunk only;
+decode steps run every row. Outputs then depend on the prefill chunking (what
+`replay_v41.prefill_logits` with the same chunks computes). Since late-layer window KV exists
+only for past tails, a hit then re-prefills at least the last sliding_window matched tokens
+(replay span max(R, W), a tail-mode extend from h - that span, latents below h kept).
+`decoder_swa_bounded_replay=False` is `generate`'s exact prefill. Speculative V4.1 engines
+(speculative="dspark": the params' own mtp stages, `speculative.dspark_v41`) run the generic
+speculative sub-steps over the same paged state; MTP is refused for V4.1.
+
 Prefill / decode separation (engine/transfer.py): `Engine.prefill(requests)` returns each
 request's state after its prefill and first token as a `RequestState` (host arrays); `generate` /
 `stream` of another engine with the same model config, page_size, window_slots, dtype and
@@ -136,9 +153,9 @@ import jax
 import numpy as np
 
 from deepinfer_fn.compile_cache import Job, precompile
-from deepinfer_fn.config import CSA, HCA
 from deepinfer_fn.engine.pages import PageAllocator
-from deepinfer_fn.engine.paged_state import check_page_size, init_paged_state, shard_axes
+from deepinfer_fn.engine.paged_state import (check_page_size, compression_ratios,
+                                             init_paged_state, shard_axes)
 from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
@@ -149,6 +166,7 @@ from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_
 from deepinfer_fn.engine.step import (decode_steps_packed, forward_packed, sample_packed,
                                       substep_packed)
 from deepinfer_fn.engine import transfer
+from deepinfer_fn.model.replay_v41 import late_layer_start
 from deepinfer_fn import bundle
 from deepinfer_fn.params import Params, count_params
 from deepinfer_fn.speculative import registry
@@ -300,6 +318,10 @@ class Engine:
     up to one of them (the dynamic scheduler sees the rounded cost). Fixed and dynamic engines
     with the same shapes and widths share one compiled decode step. See the module
     docstring, "Speculative decoding".
+
+    decoder_swa_bounded_replay: V4.1 decoder SWA bounded replay on prefill extends (module
+    docstring); None = on for a plain V4.1 engine, off otherwise; True needs a V4.1 model and no
+    speculative decoding.
     """
 
     def __init__(self, params: Params | bundle.Model, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -310,7 +332,8 @@ class Engine:
                  window_slots: int | None = None, progress: bool = True,
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
-                 verify_cost=None, verify_widths=None, decode_steps: int = 8):
+                 verify_cost=None, verify_widths=None, decode_steps: int = 8,
+                 decoder_swa_bounded_replay: bool | None = None):
         params, drafter, tokenizer = bundle.unpack(params, speculative=speculative,
                                                    drafter=drafter, tokenizer=tokenizer,
                                                    where="Engine")
@@ -318,9 +341,10 @@ class Engine:
         self.params, self.cfg = params, cfg
         self.mesh = mesh_rules.mesh_of(params)       # None: one device
         n = self.shards = mesh_rules.batch_shards(self.mesh) if self.mesh is not None else 1
-        ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
-        if page_size is None:
-            page_size = math.lcm(*ratios) if ratios else 16
+        ratios = compression_ratios(cfg)
+        if page_size is None:       # V4.1: codes 1 and 2, 16-token pages
+            page_size = math.lcm(16, *ratios) if cfg.is_v41 else (math.lcm(*ratios) if ratios
+                                                                  else 16)
         check_page_size(cfg, page_size)
         for name, v in (("max_batch", max_batch), ("max_tokens_per_step", max_tokens_per_step),
                         ("decode_steps", decode_steps)):
@@ -377,9 +401,21 @@ class Engine:
                              f"{gamma + 1} (a speculative decode row verifies up to 1 + γ tokens)")
         if gamma:       # rejected drafts must not overwrite live ring entries (state.py)
             window_slots = max(window_slots or 0, cfg.sliding_window + gamma)
-        if replay_tokens is not None and replay_tokens < cfg.csa_ratio:
+        bounded = self._check_bounded_replay(cfg, decoder_swa_bounded_replay, gamma)
+        if replay_tokens is not None and not cfg.is_v41 and replay_tokens < cfg.csa_ratio:
             raise ArgumentError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
                              f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
+        history = cfg.engram_max_ngram_size - 1 if cfg.is_v41 and cfg.engram_layer_ids else 0
+        if replay_tokens is not None and replay_tokens < history:
+            raise ArgumentError(f"replay_tokens={replay_tokens} must be >= "
+                                f"engram_max_ngram_size - 1 = {history} (a V4.1 hit rebuilds "
+                                "Engram's n-gram history from the replayed tokens)")
+        self.decoder_swa_bounded_replay = bounded
+        self._tail = cfg.sliding_window if bounded else None    # prefill extends' tail rows
+        sched_replay = replay_tokens
+        if bounded and replay_tokens is not None:   # late-layer window KV only of past tails:
+            sched_replay = max(replay_tokens, cfg.sliding_window)   # re-prefill >= W tokens
+        codes = ratios if cfg.is_v41 else ()
         self.max_batch, self.page_size, self.max_len = max_batch, page_size, max_pages * page_size
         self.async_scheduling, self.progress = async_scheduling, progress
         self.measure_idle = measure_idle
@@ -394,9 +430,10 @@ class Engine:
         self.scheduler = Scheduler(max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
                                    prefill_shapes=prefill_shapes, page_size=page_size,
                                    max_pages=max_pages, pages=self.shard_pages,
-                                   cache=self.shard_caches, replay_tokens=replay_tokens,
+                                   cache=self.shard_caches, replay_tokens=sched_replay,
                                    spec_width=gamma + 1 if gamma else 0,
-                                   decode_steps=decode_steps, shards=n)
+                                   decode_steps=decode_steps, shards=n,
+                                   replay_align=2 if 2 in codes else 1)
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=n * num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)
@@ -425,6 +462,30 @@ class Engine:
         self._ended_ids: set = set()        # ids of requests of ended runs (cancel: no-op)
         self._shapes_seen: set = set()
         self.last_run = RunMetrics()
+
+    @staticmethod
+    def _check_bounded_replay(cfg, flag, gamma) -> bool:
+        """decoder_swa_bounded_replay: None = on for a plain V4.1 engine whose layers allow a
+        late-stack tail (`replay_v41.late_layer_start`), off for V4 and speculative engines
+        (their prefill taps every row for the drafter); True needs a V4.1 model."""
+        if flag is not None:
+            boolean("Engine", "decoder_swa_bounded_replay", flag)
+        if flag and not cfg.is_v41:
+            raise ArgumentError(f"Engine: decoder_swa_bounded_replay=True needs a DeepSeek-V4.1 "
+                                f"model (cfg.is_v41), got model_type={cfg.model_type!r}")
+        if flag and gamma:
+            raise ArgumentError("Engine: decoder_swa_bounded_replay=True with speculative "
+                                "decoding is not supported (a speculative prefill taps every "
+                                "row for the drafter)")
+        if flag is False or not cfg.is_v41 or gamma:
+            return False
+        try:
+            late_layer_start(cfg)
+        except ValueError as e:
+            if flag:
+                raise ArgumentError(f"Engine: decoder_swa_bounded_replay: {e}") from None
+            return False
+        return True
 
     @staticmethod
     def _check_widths(widths, gamma):
@@ -709,13 +770,15 @@ class Engine:
                     self.state, out = self._spec_prefill(dev)
                     outs.append([rows, out, None, None])
                 elif any(row.samples and row.seq.matcher is not None for row in rows):
-                    self.state, logits = forward_packed(self.params, self.state, dev)
+                    self.state, logits = forward_packed(self.params, self.state, dev,
+                                                        **self._tail_arg(is_decode))
                     outs.append([rows, None, packed, logits])
                 elif is_decode and self.scheduler.decode_steps > 1:
                     self.state, out = self._decode(dev)
                     outs.append([rows, out, None, None, "multi"])
                 else:
-                    self.state, out = substep_packed(self.params, self.state, dev)
+                    self.state, out = substep_packed(self.params, self.state, dev,
+                                                     **self._tail_arg(is_decode))
                     outs.append([rows, out, None, None])
             t_issue = t_issue or time.perf_counter()
         for entry in outs:
@@ -833,7 +896,8 @@ class Engine:
             return Job(decode_steps_packed, (self.params, self.state, packed),
                        dict(steps=self.scheduler.decode_steps))
         if not self.gamma:
-            return Job(substep_packed, (self.params, self.state, packed))
+            return Job(substep_packed, (self.params, self.state, packed),
+                       self._tail_arg(width is None))
         if width is None:
             verify_len, sched = self._verify[n]
             return Job(spec_decode_packed, (self.params, self.drafter, self.state, packed, sched),
@@ -841,6 +905,11 @@ class Engine:
                             steps=self.scheduler.decode_steps))
         return Job(spec_prefill_packed, (self.params, self.drafter, self.state, packed),
                    dict(drafter=self._kind, k=self.gamma))
+
+    def _tail_arg(self, is_decode: bool) -> dict:
+        """The `tail` keyword of a plain sub-step: V4.1 decoder SWA bounded replay on prefill
+        sub-batches (none for decode, nor when off: the V4 programs unchanged)."""
+        return {} if is_decode or self._tail is None else {"tail": self._tail}
 
     def _decode(self, packed):
         """A plain decode sub-batch of up to `decode_steps` steps (`step.decode_steps_packed`):
@@ -875,7 +944,8 @@ class Engine:
                 if not self.gamma and width is None and self.scheduler.decode_steps > 1:
                     self.state, _ = self._decode(packed)
                 elif not self.gamma:
-                    self.state, _ = substep_packed(self.params, self.state, packed)
+                    self.state, _ = substep_packed(self.params, self.state, packed,
+                                                   **self._tail_arg(width is None))
                 elif width is None:
                     self.state, _ = self._spec_decode(packed)
                 else:

@@ -26,6 +26,14 @@ the token budget `left` (tokens the request may still emit), the request-local v
 counter `step` (the counter-based draft/accept keys), and `drafter`, the drafter's own per-row
 state (any pytree with the batch axis leading; `speculative.drafter.Drafter.init_state`).
 
+DeepSeek-V4.1 (`cfg.is_v41`, docs/MODEL.md §V3): the rings are `state.V41DecodeState`'s
+(`window_kv` / `window_pos` on every layer, `pend_kv` / `pend_gate` at code-2 kv sources), the
+pools hold `rows` and `keys` of the kv-source layers only ([P, page_size // code, d] and
+[P, page_size // code, d_I], code in {1, 2}: page_size is a multiple of every code, so one
+page again addresses the same token block at every source layer), and `token_ring
+[max_batch, R_t]` int32 holds each slot's recent token ids (Engram's n-gram history; None for
+V4).
+
 On a mesh (`shard_axes`) the slot axis of every per-slot array and the page axis of every pool
 are split over the batch axes dp x ep: shard i owns slots [i * max_batch / n, (i + 1) *
 max_batch / n) and pages [i * P, (i + 1) * P) (its own pool of P pages, addressed by
@@ -41,10 +49,10 @@ import jax.numpy as jnp
 
 from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
-from deepinfer_fn.layer_groups import LayerStack
-from deepinfer_fn.state import state_shapes
+from deepinfer_fn.layer_groups import LayerStack, layer_groups
+from deepinfer_fn.state import state_shapes, token_slots, v41_layer_state_shapes
 
-POOL_KEYS = ("rows", "index_rows")
+POOL_KEYS = ("rows", "index_rows", "keys")      # V4: rows, index_rows; V4.1: rows, keys
 
 
 @jax.tree_util.register_dataclass
@@ -57,6 +65,7 @@ class PagedState:
     max_pages: int = dataclasses.field(metadata=dict(static=True))
     window_slots: int = dataclasses.field(metadata=dict(static=True))
     spec: dict = dataclasses.field(default_factory=dict)      # speculative per-slot state
+    token_ring: jax.Array | None = None       # V4.1: [max_batch, R_t] int32; V4: None
 
     @property
     def max_batch(self) -> int:
@@ -74,11 +83,20 @@ def shard_axes(state: PagedState) -> PagedState:
     lead = lambda stack: stack.map_blocks(
         lambda scanned, tree: jax.tree.map(lambda _: int(scanned), tree))
     return dataclasses.replace(state, slots=lead(state.slots), pools=lead(state.pools),
-                               last_token=0, spec=jax.tree.map(lambda _: 0, state.spec))
+                               last_token=0, spec=jax.tree.map(lambda _: 0, state.spec),
+                               token_ring=None if state.token_ring is None else 0)
+
+
+def compression_ratios(cfg: ModelConfig) -> tuple[int, ...]:
+    """The distinct token-per-row ratios of the layers with paged rows: V4 the CSA / HCA
+    ratios m, V4.1 the codes of the kv sources (1, 2)."""
+    if cfg.is_v41:
+        return tuple(sorted({cfg.compress_ratio(i) for i in cfg.kv_source_layer_ids}))
+    return tuple(sorted({cfg.compress_ratio_of(t) for t in cfg.layer_types if t in (CSA, HCA)}))
 
 
 def check_page_size(cfg: ModelConfig, page_size: int) -> None:
-    ratios = [cfg.compress_ratio_of(t) for t in set(cfg.layer_types) if t in (CSA, HCA)]
+    ratios = compression_ratios(cfg)
     bad = [m for m in ratios if page_size % m]
     if isinstance(page_size, bool) or not isinstance(page_size, int):
         raise ArgumentTypeError(f"page_size must be an int, got {page_size!r}")
@@ -93,7 +111,8 @@ def init_paged_state(cfg: ModelConfig, *, max_batch: int, num_pages: int, page_s
     check_page_size(cfg, page_size)
     window_slots = window_slots or cfg.sliding_window
     max_len = page_size * max_pages
-    shapes = state_shapes(cfg, max_batch, max_len, window_slots, dtype)
+    shapes = (v41_state_shapes(cfg, max_batch, max_len, window_slots, dtype) if cfg.is_v41
+              else state_shapes(cfg, max_batch, max_len, window_slots, dtype))
 
     def slot(scanned, tree):
         return {k: (jnp.full(s.shape, -1, s.dtype) if k == "window_pos" else jnp.zeros(s.shape, s.dtype))
@@ -106,13 +125,32 @@ def init_paged_state(cfg: ModelConfig, *, max_batch: int, num_pages: int, page_s
                              s.dtype)
                 for k, s in tree.items() if k in POOL_KEYS}
 
+    ring = None
+    if cfg.is_v41:
+        ring = jnp.full((max_batch, token_slots(cfg, window_slots)), cfg.engram_pad_token_id,
+                        jnp.int32)
     return PagedState(shapes.map_blocks(slot), shapes.map_blocks(pool),
-                      jnp.zeros((max_batch,), jnp.int32), page_size, max_pages, window_slots)
+                      jnp.zeros((max_batch,), jnp.int32), page_size, max_pages, window_slots,
+                      token_ring=ring)
+
+
+def v41_state_shapes(cfg: ModelConfig, batch: int, max_len: int, window_slots: int,
+                     dtype) -> LayerStack:
+    """The `V41DecodeState.layers` shapes of `cfg` (stacked per `layer_groups`)."""
+    stack = lambda xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype)
+    return LayerStack.from_layers(
+        layer_groups(cfg), [v41_layer_state_shapes(cfg, i, batch, max_len, window_slots, dtype)
+                            for i in range(cfg.num_hidden_layers)], stack=stack)
 
 
 def pool_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     """Bytes one page occupies across all layers' pools."""
     total = 0
+    if cfg.is_v41:          # kv sources: latents [ps // code, d] + index keys [ps // code, dI]
+        for i in cfg.kv_source_layer_ids:
+            total += (page_size // cfg.compress_ratio(i) * (cfg.head_dim + cfg.index_head_dim)
+                      * jnp.dtype(dtype).itemsize)
+        return total
     for lt in cfg.layer_types:
         if lt in (CSA, HCA):
             m = cfg.compress_ratio_of(lt)

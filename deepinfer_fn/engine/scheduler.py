@@ -27,7 +27,7 @@ Policy:
 * admission (FIFO, preempted sequences at the front) while a slot is free and the first chunk's
   pages can be allocated; a prefix-cache hit of h tokens (page-aligned, leaving >= 1 token to
   prefill) shares the cached pages and starts the prefill at h - R (bounded replay, rows below
-  h kept: `row_floor = h`) or at 0 (exact mode);
+  h kept: `row_floor = h`; rounded down to a multiple of `replay_align`) or at 0 (exact mode);
 * pages are allocated as positions advance; when too few are free the prefix cache evicts
   just the missing number of LRU leaves no running sequence holds (admission evicts nothing
   unless that is enough to admit), and then the most recently admitted running sequence is
@@ -146,8 +146,12 @@ class Scheduler:
                  prefill_shapes: tuple[tuple[int, int], ...], page_size: int, max_pages: int,
                  pages: PageAllocator | list[PageAllocator],
                  cache: RadixCache | None | list[RadixCache | None], replay_tokens: int | None,
-                 spec_width: int = 0, decode_steps: int = 1, shards: int = 1):
-        """pages / cache: a PageAllocator / RadixCache-or-None, or one per shard (lists)."""
+                 spec_width: int = 0, decode_steps: int = 1, shards: int = 1,
+                 replay_align: int = 1):
+        """pages / cache: a PageAllocator / RadixCache-or-None, or one per shard (lists).
+        replay_align: a bounded replay starts at a multiple of it (V4.1 with code-2 sources:
+        2, so the replay begins on a pair boundary)."""
+        assert replay_align >= 1 and page_size % replay_align == 0, (replay_align, page_size)
         assert decode_steps >= 1, decode_steps
         assert shards >= 1 and max_batch % shards == 0, (max_batch, shards)
         assert all(r % shards == 0 for r, _ in prefill_shapes), (prefill_shapes, shards)
@@ -164,6 +168,7 @@ class Scheduler:
         # shard 0's allocator and cache (the only ones with one shard)
         self.pages, self.cache = self.shard_pages[0], self.shard_caches[0]
         self.replay = replay_tokens
+        self.replay_align = replay_align
         self.spec_width = spec_width          # γ + 1 (speculative engine) or 0
         self.decode_cost = spec_width or 1    # budget tokens per decode row
         self.waiting: collections.deque[Seq] = collections.deque()
@@ -337,6 +342,7 @@ class Scheduler:
             self.block_table[seq.slot, i] = p
         seq.pages = list(hit_pages)
         start = 0 if (h == 0 or self.replay is None) else max(0, h - self.replay)
+        start -= start % self.replay_align
         seq.pos, seq.row_floor, seq.fresh = start, h, True
         first_end = min(len(seq.ext), start + self.chunk)
         if not self._allocate(seq, max(first_end, h), None, may_preempt=False):

@@ -89,7 +89,8 @@ def spec_prefill_packed(params, weights, state: PagedState, packed, *, drafter: 
     sc = packed[:, 10:14]
     slot, start, n_new, row_floor, fresh = (meta[:, i] for i in range(5))
     sp = dict(state.spec)
-    tstate = gather_state(state, slot, start, fresh, bt)
+    tstate = gather_state(state, slot, start, fresh, bt,
+                          pad_id=params.config.engram_pad_token_id)
     logits, new, feats = target_features(transformer.forward_chunk(
         params, tstate, toks, n_new, row_floor=row_floor, **drafter.taps(weights)))
     empty = drafter.init_state(params, weights, slot.shape[0], state.max_len,
@@ -144,7 +145,8 @@ def _spec_decode_step(params, weights, state: PagedState, meta, fparams, bt, sch
     P, left, step = _take(sp["length"], slot), _take(sp["left"], slot), _take(sp["step"], slot)
     active = (slot < state.max_batch) & (left > 0)
     anchor = _take(state.last_token, slot)
-    tstate = gather_state(state, slot, P, jnp.zeros_like(slot), bt)
+    tstate = gather_state(state, slot, P, jnp.zeros_like(slot), bt,
+                          pad_id=params.config.engram_pad_token_id)
     o = speculative_step(params, drafter, weights, tstate, _gather_drafter(sp["drafter"], slot),
                          anchor, sampling, step, active, left, k=k, verify_len=verify_len,
                          sched=sched, row_floor=row_floor)

@@ -32,6 +32,11 @@ split over the batch shards dp x ep and a sub-batch's row block i belongs to sha
 (`shardings.mesh.per_batch_shard`, slot ids made shard-local, block tables shard-local), so
 no ring or pool ever leaves its shard; without a mesh they are the plain functions.
 
+DeepSeek-V4.1: the gathered state is a `V41DecodeState` (rings, the kv sources' `rows` /
+`keys` from the pools, the slot's token ring, reset to the pad id where fresh > 0 so a replay
+start reads no stale n-gram history); with `tail` (decoder SWA bounded replay, static) prefill
+sub-steps run `model.replay_v41.extend` instead of `forward_chunk` (decode steps never do).
+
 Cost note: the gather materialises each row's whole block table of rows (max_len // m per
 layer) every call; a paged attention kernel reading the pools in place would avoid that copy.
 """
@@ -47,9 +52,9 @@ import numpy as np
 
 from deepinfer_fn.engine.paged_state import POOL_KEYS, PagedState, shard_axes
 from deepinfer_fn.engine.scheduler import META_COLUMNS, PACK_HEAD  # noqa: F401 (packed layout)
-from deepinfer_fn.model import transformer
+from deepinfer_fn.model import replay_v41, transformer
 from deepinfer_fn.sampling import SamplingParams, sample
-from deepinfer_fn.state import DecodeState
+from deepinfer_fn.state import DecodeState, V41DecodeState
 from deepinfer_fn.structured import unpack_bitmask
 # Module import (attributes read at call time): shardings/__init__ imports deepinfer_fn.
 from shardings import mesh as mesh_rules
@@ -162,11 +167,23 @@ def _decode_axes(layers, pools=None):
                              *others)
 
 
-def gather_state(state: PagedState, slot, start, fresh, block_table) -> DecodeState:
-    """The contiguous `DecodeState` of a sub-batch's rows (slot [B], lengths = start [B]):
-    their per-slot rings (window ring emptied where fresh > 0) and, through block_table, their
-    compressed rows. On a mesh: per batch shard, from its own slots and pool (row block i of
-    the sub-batch = shard i's rows, block_table of shard-local page ids)."""
+def _fresh_tokens(ring, fresh, pad_id: int):
+    """A V4.1 token ring [B, R_t] with the rows of fresh slots reset to the pad id (a stale
+    history must not reach Engram's n-grams at a replay start)."""
+    return jnp.where(fresh[:, None] > 0, jnp.int32(pad_id), ring)
+
+
+def gather_state(state: PagedState, slot, start, fresh, block_table,
+                 pad_id: int | None = None):
+    """The contiguous `DecodeState` (V4.1: `V41DecodeState`, its token ring by slot) of a
+    sub-batch's rows (slot [B], lengths = start [B]): their per-slot rings (window ring and
+    V4.1 token ring emptied where fresh > 0) and, through block_table, their compressed rows.
+    On a mesh: per batch shard, from its own slots and pool (row block i of the sub-batch =
+    shard i's rows, block_table of shard-local page ids). pad_id: the V4.1 config's
+    `engram_pad_token_id` (a fresh slot's token ring)."""
+    v41 = state.token_ring is not None
+    assert not v41 or pad_id is not None, "gather_state of a V4.1 state needs pad_id"
+
     def local(shard, state, slot, start, fresh, block_table):
         slot = local_slots(slot, shard, state.max_batch)
 
@@ -177,42 +194,65 @@ def gather_state(state: PagedState, slot, start, fresh, block_table) -> DecodeSt
             return sl
         layers = _gather_slots(state.slots, slot).map_blocks(
             one, _gather_rows(state.pools, block_table))
+        if v41:
+            ring = jnp.take(state.token_ring, slot, axis=0, mode="clip")
+            return V41DecodeState(layers, _fresh_tokens(ring, fresh, pad_id), start,
+                                  state.max_len, state.window_slots)
         return DecodeState(layers, start, state.max_len, state.window_slots)
-    out_axes = DecodeState(_decode_axes(state.slots, state.pools), 0, state.max_len,
-                           state.window_slots)
+    axes = _decode_axes(state.slots, state.pools)
+    out_axes = (V41DecodeState(axes, 0, 0, state.max_len, state.window_slots) if v41 else
+                DecodeState(axes, 0, state.max_len, state.window_slots))
     return mesh_rules.per_batch_shard(local, (state, slot, start, fresh, block_table),
                                       (shard_axes(state), 0, 0, 0, 0), out_axes)
 
 
-def scatter_state(state: PagedState, new: DecodeState, slot, block_table, start, n_new,
+def scatter_state(state: PagedState, new, slot, block_table, start, n_new,
                   row_floor, S: int) -> PagedState:
-    """Writes a sub-batch's new `DecodeState` back: per-slot rings by slot, and the pages that
-    positions [start, start + n_new) touched (S: the chunk width, bounds the pages). On a
-    mesh: per batch shard, into its own slots and pool (as `gather_state`)."""
+    """Writes a sub-batch's new `DecodeState` (V4.1: `V41DecodeState`) back: per-slot rings
+    (and the V4.1 token ring) by slot, and the pages that positions [start, start + n_new)
+    touched (S: the chunk width, bounds the pages). On a mesh: per batch shard, into its own
+    slots and pool (as `gather_state`)."""
+    v41 = state.token_ring is not None
+
     def local(shard, state, new, slot, block_table, start, n_new, row_floor):
         slot = local_slots(slot, shard, state.max_batch)
         new_slots = new.layers.map_blocks(
             lambda scanned, layer: {k: v for k, v in layer.items() if k not in POOL_KEYS})
+        extra = {}
+        if v41:
+            extra["token_ring"] = state.token_ring.at[slot].set(new.token_ring, mode="drop")
         return dataclasses.replace(
             state, slots=_scatter_slots(state.slots, new_slots, slot),
             pools=_scatter_rows(state.pools, new.layers, block_table, start, n_new, row_floor,
-                                state.page_size, S))
+                                state.page_size, S), **extra)
     axes = shard_axes(state)
-    new_axes = DecodeState(_decode_axes(new.layers), 0, new.max_len, new.window_slots)
+    new_axes = _decode_axes(new.layers)
+    new_axes = (V41DecodeState(new_axes, 0, 0, new.max_len, new.window_slots) if v41 else
+                DecodeState(new_axes, 0, new.max_len, new.window_slots))
     return mesh_rules.per_batch_shard(
         local, (state, new, slot, block_table, start, n_new, row_floor),
         (axes, new_axes, 0, 0, 0, 0, 0), axes)
 
 
-def _forward(params, state: PagedState, meta, block_table, tokens):
+def _forward(params, state: PagedState, meta, block_table, tokens, tail=None):
     """The forward half of `_substep`: (state with rings and pages written but `last_token`
-    untouched, logits f32 [B, V] of each row's last token)."""
+    untouched, logits f32 [B, V] of each row's last token). tail (V4.1 prefill only): decoder
+    SWA bounded replay with that many tail rows (`model.replay_v41.extend`); None: every
+    layer on every row."""
     slot, start, n_new, row_floor, fresh = (meta[:, i] for i in range(5))
     if tokens is None:
         tokens = take_slots(state.last_token, slot)[:, None]
+        tail = None                         # decode steps run every layer on every row
     S = tokens.shape[1]
-    dstate = gather_state(state, slot, start, fresh, block_table)
-    logits, new, _ = transformer.forward_chunk(params, dstate, tokens, n_new, row_floor=row_floor)
+    dstate = gather_state(state, slot, start, fresh, block_table,
+                          pad_id=params.config.engram_pad_token_id)
+    if tail is not None:
+        logits, new = replay_v41.extend(params, dstate, tokens, n_new,
+                                        decoder_swa_bounded_replay=True, tail=tail,
+                                        row_floor=row_floor)
+    else:
+        logits, new, _ = transformer.forward_chunk(params, dstate, tokens, n_new,
+                                                   row_floor=row_floor)
     state = scatter_state(state, new, slot, block_table, start, n_new, row_floor, S)
     return state, logits
 
@@ -229,23 +269,25 @@ def _sample_write(state: PagedState, logits, meta, fparams, allowed=None):
     return state, sampled, logp
 
 
-def _substep(params, state: PagedState, meta, fparams, block_table, tokens, return_logits):
+def _substep(params, state: PagedState, meta, fparams, block_table, tokens, return_logits,
+             tail=None):
     """The body of `substep` (shared by `substep` and `substep_packed`)."""
-    state, logits = _forward(params, state, meta, block_table, tokens)
+    state, logits = _forward(params, state, meta, block_table, tokens, tail)
     state, sampled, logp = _sample_write(state, logits, meta, fparams)
     if return_logits:
         return state, sampled, logp, logits
     return state, sampled, logp
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits",), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("return_logits", "tail"), donate_argnums=(1,))
 def substep(params, state: PagedState, meta, fparams, block_table, tokens=None, *,
-            return_logits: bool = False):
+            return_logits: bool = False, tail: int | None = None):
     """One sub-batch. tokens int32 [B, S] (prefill rows, right-padded past n_new) or None
-    (decode: S = 1, each row's input is its slot's `last_token`).
+    (decode: S = 1, each row's input is its slot's `last_token`). tail: V4.1 decoder SWA
+    bounded replay of prefill rows (`_forward`).
 
     Returns (state, sampled tokens int32 [B], logprobs f32 [B]) (+ logits f32 [B, V])."""
-    return _substep(params, state, meta, fparams, block_table, tokens, return_logits)
+    return _substep(params, state, meta, fparams, block_table, tokens, return_logits, tail)
 
 
 def unpack(packed, max_pages: int):
@@ -263,14 +305,14 @@ def unpack(packed, max_pages: int):
     return meta, fparams, bt, (toks if toks.shape[1] else None)
 
 
-@functools.partial(jax.jit, donate_argnums=(1,))
-def substep_packed(params, state: PagedState, packed):
+@functools.partial(jax.jit, static_argnames=("tail",), donate_argnums=(1,))
+def substep_packed(params, state: PagedState, packed, *, tail: int | None = None):
     """`substep` on one packed host buffer (one host -> device transfer per call) returning one
     buffer (one device -> host transfer): packed int32 [B, PACK_HEAD + max_pages + S] (S = 0:
-    decode) as `unpack` reads it. Returns (state, out int32 [B, 2] = (sampled token, logprob
-    f32 bits))."""
+    decode) as `unpack` reads it; tail as `substep`. Returns (state, out int32 [B, 2] =
+    (sampled token, logprob f32 bits))."""
     meta, fparams, bt, toks = unpack(packed, state.max_pages)
-    state, sampled, logp = _substep(params, state, meta, fparams, bt, toks, False)
+    state, sampled, logp = _substep(params, state, meta, fparams, bt, toks, False, tail)
     out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
     return state, out
 
@@ -309,13 +351,13 @@ def decode_steps_packed(params, state: PagedState, packed, *, steps: int):
 # --- constrained sub-batches (structured output): forward and masked sampling, split ----------
 
 
-@functools.partial(jax.jit, donate_argnums=(1,))
-def forward_packed(params, state: PagedState, packed):
+@functools.partial(jax.jit, static_argnames=("tail",), donate_argnums=(1,))
+def forward_packed(params, state: PagedState, packed, *, tail: int | None = None):
     """The forward half of `substep_packed` (a sub-batch with constrained rows): returns (state,
     logits f32 [B, V]); `last_token` is written by the `sample_packed` call that follows, once
     the host has packed the masks (it computes them while this forward runs)."""
     meta, _, bt, toks = unpack(packed, state.max_pages)
-    return _forward(params, state, meta, bt, toks)
+    return _forward(params, state, meta, bt, toks, tail)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

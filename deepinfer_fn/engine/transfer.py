@@ -8,7 +8,8 @@ and continue decoding: the tokens equal one engine doing both.
 A `RequestState` holds host numpy arrays and plain Python values only (picklable): the prompt,
 the tokens sampled so far (the last one is the next decode input, `last_token`), their
 logprobs, `position` (positions already in the state = prompt + generated - 1), the slot's
-per-slot rings of every layer (`PagedState.slots` at the slot, slot axis removed), the
+per-slot rings of every layer (`PagedState.slots` at the slot, slot axis removed; V4.1: then
+the slot's token ring), the
 contents of the request's pages in every pool in block order (page axis first:
 [n_pages, (R,) rows per page, d]), for speculative engines the slot's counters (committed
 length, token budget, step counter) and drafter state leaves, the `Request` itself (sampling
@@ -54,7 +55,8 @@ class RequestState:
     generated: np.ndarray           # int32 [g >= 1]; generated[-1] is the next decode input
     logprobs: np.ndarray            # f32 [g]
     position: int                   # n_prompt + g - 1 positions are in the state
-    rings: tuple                    # PagedState.slots leaves at the slot (slot axis removed)
+    rings: tuple                    # PagedState.slots leaves at the slot (slot axis removed),
+    #                                 then (V4.1) the slot's token ring int32 [R_t]
     pages: tuple                    # PagedState.pools leaves at the pages: [n_pages, (R,) rpp, d]
     spec: dict                      # {} or {"length", "left", "step"} (ints)
     drafter: tuple                  # PagedState.spec["drafter"] leaves at the slot, or ()
@@ -190,11 +192,12 @@ def _slot_leaf(scanned, v, slot):
 
 @jax.jit
 def gather_request(state: PagedState, slot, page_ids):
-    """(rings, pages, spec, last_token) of one slot: rings = `state.slots` at slot int32 []
-    (slot axis removed), pages = `state.pools` at page_ids int32 [n] with the page axis first
+    """(rings, pages, spec, last_token) of one slot: rings = (`state.slots` at slot int32 []
+    (slot axis removed), the V4.1 token ring at the slot or None), pages = `state.pools` at page_ids int32 [n] with the page axis first
     ([n, (R,) rpp, d]), spec = `state.spec` at the slot ({} for plain engines), last_token []."""
-    rings = state.slots.map_blocks(lambda scanned, layer: {
-        k: _slot_leaf(scanned, v, slot) for k, v in layer.items()})
+    rings = (state.slots.map_blocks(lambda scanned, layer: {
+        k: _slot_leaf(scanned, v, slot) for k, v in layer.items()}),
+        None if state.token_ring is None else state.token_ring[slot])
     pages = state.pools.map_blocks(lambda scanned, pool: {
         k: jnp.moveaxis(v[:, page_ids], 1, 0) if scanned else v[page_ids]
         for k, v in pool.items()})
@@ -215,8 +218,12 @@ def scatter_request(state: PagedState, slot, page_ids, rings, pages, spec,
                     else v.at[page_ids].set(new[k], mode="drop")) for k, v in pool.items()}
 
     new_spec = jax.tree.map(lambda x, v: x.at[slot].set(v.astype(x.dtype)), state.spec, spec)
+    slot_rings, token_ring = rings
+    extra = {}
+    if state.token_ring is not None:
+        extra["token_ring"] = state.token_ring.at[slot].set(token_ring)
     return dataclasses.replace(
-        state, slots=state.slots.map_blocks(put_rings, rings),
+        state, slots=state.slots.map_blocks(put_rings, slot_rings), **extra,
         pools=state.pools.map_blocks(put_pages, pages), spec=new_spec,
         last_token=state.last_token.at[slot].set(last_token))
 
@@ -280,7 +287,7 @@ def import_state(state: PagedState, slot: int, pages: list[int], rs: RequestStat
     num_pages = jax.tree.leaves(state.pools)[0].shape[-3] if jax.tree.leaves(state.pools) else 1
     ids = np.full((b,), num_pages, np.int32)
     ids[:n] = pages
-    rings_t = jax.tree.structure(state.slots)
+    rings_t = jax.tree.structure((state.slots, state.token_ring))
     pools_t = jax.tree.structure(state.pools)
     padded = [np.concatenate([p, np.zeros((b - n,) + p.shape[1:], p.dtype)]) if b > n else p
               for p in rs.pages]
