@@ -21,6 +21,22 @@ background gather + transfer is hidden).
     python benchmarks/engram_gather.py                     # 2 GB file in /tmp, a few minutes
     python benchmarks/engram_gather.py --gb 1 --quick      # smoke test
     python benchmarks/engram_gather.py --device-store      # + DeviceEngramStore (jnp.take)
+    python benchmarks/engram_gather.py --forward-only --gb 1 --out benchmarks/results/x.json
+
+--forward (or --forward-only: skip the gather sections) times a jitted decode-step-like program
+of the v4.1-mini Engram geometry (hidden 2048, 4 streams, 24 columns of 256 values per layer,
+two layers; f32 gate weights) per step of B tokens, over the same table file:
+
+  lookup_*    rows -> dequantised embeddings -> a sum (the gather dominates)
+  gate_*      rows -> dequantised embeddings -> both Engram gates (the wkv matmuls dominate)
+  *_device    rows taken from device copies of the tables (`take_rows`) inside the program
+  *_callback  rows gathered on the host inside the program (`host_rows`: one pure_callback)
+  *_rows_input  rows already on the device, passed in (no gather in the step)
+  gate_prefetch  `take` of rows submitted one step ahead, `submit` of the next, the gates
+  gather_only `HostEngramStore.gather` alone (numpy, no device)
+
+*_callback - *_device is what host tables add to a step whose ids are computed on the device
+(plain decode); gate_prefetch - gate_rows_input what is left when the ids are known ahead.
 """
 
 from __future__ import annotations
@@ -39,7 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from deepinfer_fn.model.engram_store import open_engram_store
+from deepinfer_fn.model import engram
+from deepinfer_fn.model.engram_store import host_rows, layer_embedding, open_engram_store, take_rows
 
 W, NB, C = 256, 8, 24                 # values per row, scales per row, columns per layer
 LAYERS = (1, 14)
@@ -163,6 +180,85 @@ def time_pipeline(store, ids, step_ms: float) -> dict:
                 wall_ms_per_step_median=float(np.median(walls)) * 1e3)
 
 
+def forward_like(store, dev_tables, batches, steps: int, seed: int, gate: bool = True) -> dict:
+    """The --forward programs (module docstring): median ms per step and us per token, the
+    programs interleaved step by step (a loaded machine drifts)."""
+    import jax.numpy as jnp
+    n, D = 4, 2048                                       # v4.1-mini streams and hidden size
+    E = C * W
+    rng = np.random.default_rng(seed)
+    weights = [dict(wkv=jnp.asarray(rng.normal(0, E ** -0.5, (E, (n + 1) * D)), jnp.float32),
+                    q_weight=jnp.ones((n, D), jnp.float32), k_weight=jnp.ones((n, D), jnp.float32))
+               for _ in LAYERS]
+
+    def gates(x, codes, scales):
+        for l, w in enumerate(weights):
+            e = layer_embedding(codes, scales, l, jnp.float32)
+            x = engram.gate(x, e, w["wkv"], w["q_weight"], w["k_weight"], eps=1e-20)
+        return x
+
+    def lookups(codes, scales):
+        return sum(layer_embedding(codes, scales, l, jnp.float32).sum() for l in range(len(LAYERS)))
+
+    jit = jax.jit
+    gate_dev = jit(lambda x, ids, t: gates(x, *take_rows(t, ids)))
+    gate_cb = jit(lambda x, ids: gates(x, *host_rows(store, ids)))
+    gate_in = jit(gates)
+    look_dev = jit(lambda ids, t: lookups(*take_rows(t, ids)))
+    look_cb = jit(lambda ids: lookups(*host_rows(store, ids)))
+    look_in = jit(lookups)
+    out = {}
+    for b in batches:
+        ids = random_ids(rng, store.rows[0], steps + 2, b)[:, :, 0]            # [steps, b, 2, C]
+        x = jnp.asarray(rng.normal(0, 1, (b, n, D)), jnp.float32)
+        dev_ids = [jnp.asarray(i) for i in ids]
+        pre = [store.gather(i) for i in ids]
+        pre = [tuple(jnp.asarray(a) for a in r) for r in pre]
+        runs = {"gather_only": lambda t: store.gather(ids[t]),
+                "lookup_device": lambda t: look_dev(dev_ids[t], dev_tables),
+                "lookup_callback": lambda t: look_cb(dev_ids[t]),
+                "lookup_rows_input": lambda t: look_in(*pre[t]),
+                "gate_device": lambda t: gate_dev(x, dev_ids[t], dev_tables),
+                "gate_callback": lambda t: gate_cb(x, dev_ids[t]),
+                "gate_rows_input": lambda t: gate_in(x, *pre[t])}
+        if not gate:
+            runs = {k: v for k, v in runs.items() if not k.startswith("gate")}
+
+        def prefetch(t):
+            """take step t's rows (submitted one step ahead), submit t+1, run the gates."""
+            rows = store.take()
+            store.submit(ids[t + 1])
+            return gate_in(x, *rows)
+        if gate:
+            runs["gate_prefetch"] = prefetch
+        else:
+            store.submit(ids[1])                          # what the last take() drains
+        store.submit(ids[0])
+        for run in runs.values():
+            jax.block_until_ready(run(0))                 # compile (prefetch: submits ids[1])
+        times = {k: [] for k in runs}
+        for t in range(1, steps + 1):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(t))
+                times[name].append(time.perf_counter() - t0)
+        store.take()
+        res = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+        per_token = lambda ms: ms * 1e3 / b
+        cost = dict(lookup_vs_device=per_token(res["lookup_callback"] - res["lookup_device"]),
+                    lookup_vs_rows_input=per_token(res["lookup_callback"]
+                                                   - res["lookup_rows_input"]))
+        if gate:
+            cost.update(gate_vs_device=per_token(res["gate_callback"] - res["gate_device"]),
+                        prefetch_vs_rows_input=per_token(res["gate_prefetch"]
+                                                         - res["gate_rows_input"]))
+        out[b] = dict(ms_per_step_median=res, us_per_token={k: per_token(v) for k, v in res.items()},
+                      callback_cost_us_per_token=cost)
+        print(f"forward-like B={b:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items())
+              + " ms/step", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.0, help="table file size (both layers)")
@@ -176,6 +272,14 @@ def main(argv=None):
     ap.add_argument("--read-threads", type=int, default=8, help="threads per cold gather")
     ap.add_argument("--device-store", action="store_true",
                     help="also time DeviceEngramStore on the default device (copies the tables)")
+    ap.add_argument("--forward", action="store_true",
+                    help="also time the forward-like programs (module docstring)")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="only the forward-like programs (no cold / warm gather sections)")
+    ap.add_argument("--forward-batches", default="1,16,64")
+    ap.add_argument("--forward-steps", type=int, default=10)
+    ap.add_argument("--forward-no-gate", action="store_true",
+                    help="only the lookup programs (the gate's matmuls dominate a CPU step)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the table file afterwards")
     ap.add_argument("--seed", type=int, default=0)
@@ -203,6 +307,8 @@ def main(argv=None):
     cold_variants = {"random_t1": dict(advice="random"), "normal_t1": dict(advice="normal"),
                      f"random_t{args.read_threads}": dict(advice="random",
                                                           read_threads=args.read_threads)}
+    if args.forward_only:
+        cold_variants = {}
     for label, kw in cold_variants.items():                # cold: first touches
         result["cold"][label] = {}
         for b in batches:
@@ -227,7 +333,7 @@ def main(argv=None):
     del touched
     memory = open_engram_store([tuple(np.array(a) for a in p) for p in store.tables],
                                store="host", layer_ids=store.layer_ids)
-    for label, st in (("memmap", store), ("in_memory", memory)):
+    for label, st in (() if args.forward_only else (("memmap", store), ("in_memory", memory))):
         result["warm"][label] = {}
         for b in batches:
             steps = max(5, args.warm_tokens // b)
@@ -236,10 +342,16 @@ def main(argv=None):
             r = result["warm"][label][b] = summarize(time_gathers(st.gather, ids), b)
             print(f"warm {label:10s} B={b:3d}: {r['us_per_token']:9.1f} us/token "
                   f"{r['gb_per_s']:7.3f} GB/s", flush=True)
+    if args.forward or args.forward_only:
+        result["forward_like"] = forward_like(
+            store, [tuple(jax.numpy.asarray(a) for a in p) for p in memory.tables],
+            [int(b) for b in args.forward_batches.split(",")], args.forward_steps, args.seed,
+            gate=not args.forward_no_gate)
+        gc.collect()
     memory.close()
     del memory
     gc.collect()
-    for b in batches:
+    for b in (() if args.forward_only else batches):
         ids = random_ids(rng, rows, 50, b)
         result["device_put"][b] = time_device_put(store, ids)
         result["pipeline"][b] = time_pipeline(store, ids, args.step_ms)

@@ -300,13 +300,16 @@ def model_drafter(path: str, params: Params, dtype, drafter) -> DSpark | None:
 
 def load_model(source: str | os.PathLike | None = None, *, dtype=None, mesh=None,
                drafter: bool | str | os.PathLike = True, revision: str | None = None,
-               cache_dir: str | os.PathLike | None = None, progress: bool = False) -> Model:
+               cache_dir: str | os.PathLike | None = None, progress: bool = False,
+               engram_store: str = "device") -> Model:
     """Loads a `Model`: params, tokenizer and drafter from one checkpoint directory.
 
     source: a checkpoint directory, a hub id `org/name`, or None (`$DEEPINFER_MODEL_PATH`,
     else the embedded default model). dtype: weights and drafter dtype (None: float32).
     mesh: shard the params as `load_params(mesh=)` does. drafter: True loads `dspark/` when
     present, False skips it, a path loads the drafter there. revision / cache_dir: for a hub id.
+    engram_store (V4.1): "device" (default) or "host", as in `load_params`: "host" keeps the
+    Engram tables memory-mapped in host memory (needed when they do not fit the devices).
     Raises ArgumentTypeError / CheckpointError / DSparkError naming the problem.
     """
     if not (isinstance(drafter, bool) or isinstance(drafter, (str, os.PathLike))):
@@ -319,7 +322,8 @@ def load_model(source: str | os.PathLike | None = None, *, dtype=None, mesh=None
     dtype = jnp.float32 if dtype is None else float_dtype("load_model", "dtype", dtype)
     asked = source if source is not None else os.environ.get(MODEL_PATH_ENV, "").strip() or None
     path = resolve_source(source, revision=revision, cache_dir=cache_dir)
-    params = load_params(path, dtype=dtype, mesh=mesh, progress=progress)
+    params = load_params(path, dtype=dtype, mesh=mesh, progress=progress,
+                         engram_store=engram_store)
     return Model(params, tokenizer=model_tokenizer(path, params.config),
                  drafter=model_drafter(path, params, dtype, drafter), path=path,
                  source=os.fspath(asked) if asked is not None else path)

@@ -31,12 +31,13 @@ from deepinfer_fn.checkpoint.names import is_vision_name, normalize_name, scale_
 from deepinfer_fn.checkpoint.safetensors_io import (NAMES, CheckpointError, SafetensorsFile,
                                                     save_file)
 from deepinfer_fn.config import ConfigError, ModelConfig
-from deepinfer_fn.errors import ArgumentTypeError
+from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
 from deepinfer_fn.validate import boolean, describe, float_dtype
 from deepinfer_fn.params import (BF16, E8M0, FP4, FP8, FP8_CODES, Params, Spec, ckpt_prefixes,
                                  is_spec, leaf_dtype, param_specs, per_layer)
 
 _FLOAT_STORAGE = {"F32", "BF16", "F16", "F64"}
+ENGRAM_STORES = ("device", "host")      # load_params(engram_store=...)
 
 
 # ------------------------------------------------------------------------------- layouts
@@ -258,7 +259,7 @@ def _read_shard(ck, names, spec: Spec, cfg, out_dtype, index) -> np.ndarray:
 
 def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
                 config: ModelConfig | None = None, include_mtp: bool | None = None,
-                progress: bool = False, mesh=None) -> Params:
+                progress: bool = False, mesh=None, engram_store: str = "device") -> Params:
     """Params from an HF-format directory (official or transformers-saved names).
 
     dtype: the activation/weight dtype; mHC params, sinks, ape, norms and router bias stay
@@ -269,6 +270,13 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
     Every missing, unknown, mis-shaped or mis-typed tensor, and every scale inconsistent with
     its weight, raises `CheckpointError` naming the tensor and its file (a missing V4.1 tensor:
     the shard the official layout puts it in). V4.1 Engram tables load as uint8 bytes.
+
+    engram_store (V4.1): where the Engram tables live. "device" (default): arrays like every
+    other weight (sharded by rows over the mesh's batch axes with `mesh=`); fine while they
+    fit (v4.1-mini: ~6.3 GB). "host": nothing of them is read now; the params hold a static
+    `engram_store.HostTables` handle to a `HostEngramStore` over memory maps of the
+    checkpoint's bytes, and the forward gathers each call's rows on the host (v4.1-flash:
+    ~203 GB of tables, more than one accelerator holds). Host tables skip the NaN-scale scan.
     """
     if path is None:
         path = os.environ.get("DEEPINFER_MODEL_PATH")
@@ -285,6 +293,9 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
     if include_mtp is not None:
         boolean("load_params", "include_mtp", include_mtp)
     boolean("load_params", "progress", progress)
+    if engram_store not in ENGRAM_STORES:
+        raise ArgumentError(f"load_params: engram_store must be one of {ENGRAM_STORES}, got "
+                            f"{engram_store!r}")
     if os.path.isfile(path):
         hint = (f"; pass its directory {os.path.dirname(os.path.abspath(path))!r} instead"
                 if os.path.basename(path) in ("config.json", "model.safetensors.index.json")
@@ -297,6 +308,10 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
         cfg = config or ModelConfig.from_hf(path)
     except ConfigError as e:
         raise CheckpointError(f"{path}/config.json: {e}") from e
+    host_tables = engram_store == "host"
+    if host_tables and not (cfg.is_v41 and cfg.engram_layer_ids):
+        raise ArgumentError(f"load_params: engram_store='host' needs a V4.1 model with Engram "
+                            f"layers; {path} has none")
     ck = _Checkpoint(path)
     has_mtp = any(n.startswith("mtp.") for n in ck.where)
     if include_mtp is None:
@@ -324,7 +339,12 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
     leaves = []
     for i, (spec, prefix) in iterator:
         out_dtype = leaf_dtype(spec, dtype)
-        if shardings is None:
+        if host_tables and spec.fmt in (FP8_CODES, E8M0):
+            for one, where in per_layer(spec, prefix):    # mapped and checked by the store
+                for name in tensor_names(one, where):
+                    ck.get(name)
+            leaves.append(None)
+        elif shardings is None:
             value = _read_value(ck, spec, prefix, cfg)
             assert value.shape == spec.shape, (spec.ckpt, value.shape, spec.shape)
             leaves.append(jnp.asarray(value, dtype=out_dtype))
@@ -349,7 +369,12 @@ def load_params(path: str | os.PathLike | None = None, *, dtype=jnp.float32,
         raise CheckpointError(f"unknown tensor {ck.describe(unused[0])} (not part of a "
                               f"{cfg.num_hidden_layers}-layer {model} model{hint}); "
                               f"{len(unused)} unknown in all")
-    return Params(jax.tree.unflatten(treedef, leaves), cfg)
+    params = Params(jax.tree.unflatten(treedef, leaves), cfg)
+    if host_tables:
+        from deepinfer_fn.model.engram_store import open_engram_store, with_host_tables
+        store = open_engram_store(path, store="host", config=cfg)
+        params = with_host_tables(params, store)
+    return params
 
 
 def _check_vision(ck: _Checkpoint, cfg: ModelConfig) -> None:
@@ -382,6 +407,8 @@ def save_params(params: Params, path: str | os.PathLike, *, quantize: bool = Fal
     layout (`layout.inventory`, `max_shard_bytes` unused) and no vision tensors (params have
     none).
     """
+    from deepinfer_fn.model.engram_store import with_table_arrays
+    params = with_table_arrays(params)          # tables in a host store: written from it
     cfg = params.config
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)

@@ -22,6 +22,11 @@ Kinds (`open_engram_store(source, store=...)`):
   over one mesh axis (rows padded to a multiple of the axis size); rows are gathered with
   ``jnp.take`` under jit.
 
+Inside jit (`host_rows`): a host store's gather runs through one `jax.pure_callback` (the ids
+computed on the device go to the host, the rows come back); `HostTables` is the static handle
+params hold in place of the table arrays (`with_host_tables`, `load_params(engram_store=
+"host")`), `with_table_arrays` goes back.
+
 Ids are range-checked on the host before a gather (a ValueError names the layer, the column
 and the offending id); inside jit `take_rows` cannot raise and gives out-of-range ids rows of
 byte 255 (a NaN scale once dequantised).
@@ -34,6 +39,7 @@ import concurrent.futures
 import json
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -46,7 +52,8 @@ from deepinfer_fn.model.engram import SCALE_BLOCK, dequantize_rows
 
 __all__ = ["EngramStore", "HostEngramStore", "DeviceEngramStore", "open_engram_store",
            "checkpoint_tables", "layer_embedding", "take_rows", "advise", "STORES", "HOST",
-           "DEVICE", "ADVICE"]
+           "DEVICE", "ADVICE", "host_rows", "HostTables", "HOST_TABLES", "TABLE_KEYS",
+           "host_store_of", "params_tables", "with_host_tables", "with_table_arrays"]
 
 HOST, DEVICE = "host", "device"
 STORES = (HOST, DEVICE)
@@ -281,10 +288,19 @@ class HostEngramStore(EngramStore):
         self.read_threads = read_threads
         self._readers = None if read_threads == 1 else concurrent.futures.ThreadPoolExecutor(
             max_workers=read_threads, thread_name_prefix="engram-read")
+        self._count_lock = threading.Lock()
+        self.gathers = 0            # gather calls (direct, prefetched or from a jit callback)
+        self.tokens_gathered = 0    # token positions gathered (ids.size / (L * C))
+
+    def _count(self, ids: np.ndarray) -> None:
+        with self._count_lock:
+            self.gathers += 1
+            self.tokens_gathered += ids.size // (ids.shape[-1] * ids.shape[-2] or 1)
 
     def gather(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """Host (codes uint8 [..., L, C, W], scales uint8 [..., L, C, W/32]) of ids."""
         ids = self.check_ids(ids)
+        self._count(ids)
         codes = np.empty(ids.shape + (self.width,), np.uint8)
         scales = np.empty(ids.shape + (self.scale_width,), np.uint8)
         if self._readers is None:
@@ -437,3 +453,137 @@ def layer_embedding(codes: jax.Array, scales: jax.Array, layer: int, dtype=jnp.f
     [..., L, C, W] and scales [..., L, C, W/32] (a store's gather) -> dtype [..., C * W]."""
     e = dequantize_rows(codes[..., layer, :, :], scales[..., layer, :, :], dtype)
     return e.reshape(e.shape[:-2] + (e.shape[-2] * e.shape[-1],))
+
+
+# --------------------------------------------------------------------------------- in jit
+def host_rows(store: HostEngramStore, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`store.gather` from traced code (jit, scan, while loops): ids int32 [..., L, C] go to
+    the host through one `jax.pure_callback`, the rows come back as device arrays (codes
+    uint8 [..., L, C, W], scales uint8 [..., L, C, W/32]). The device waits for the gather:
+    it cannot start before the ids are computed. An out-of-range id fails the computation
+    with the store's ValueError."""
+    if not isinstance(store, HostEngramStore):
+        raise TypeError(f"host_rows needs a HostEngramStore, got {type(store).__name__}")
+    assert ids.ndim >= 2 and ids.shape[-2] == len(store.rows), (ids.shape, store.rows)
+    shapes = (jax.ShapeDtypeStruct(ids.shape + (store.width,), jnp.uint8),
+              jax.ShapeDtypeStruct(ids.shape + (store.scale_width,), jnp.uint8))
+    return jax.pure_callback(store.gather, shapes, ids.astype(jnp.int32))
+
+
+# --------------------------------------------------------------------------------- params
+HOST_TABLES = "host_tables"                   # the Engram params key holding a HostTables
+TABLE_KEYS = ("table", "table_scale")         # the keys it replaces
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class HostTables:
+    """A static handle to a `HostEngramStore` inside params: a pytree node without leaves
+    (jit, scan, eval_shape and tree maps carry it as metadata; equal and hashed by the
+    store's identity). An Engram layer's params hold it under "host_tables" in place of
+    "table" / "table_scale"."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: HostEngramStore):
+        if not isinstance(store, HostEngramStore):
+            raise TypeError(f"HostTables needs a HostEngramStore, got {type(store).__name__}")
+        self.store = store
+
+    def __eq__(self, other):
+        return isinstance(other, HostTables) and other.store is self.store
+
+    def __hash__(self):
+        return hash(id(self.store))
+
+    def __repr__(self):
+        return f"HostTables({self.store!r})"
+
+    def tree_flatten_with_keys(self):
+        return (), self
+
+    def tree_flatten(self):
+        return (), self
+
+    @classmethod
+    def tree_unflatten(cls, handle, children):
+        return handle
+
+
+def _engram_layer_ids(g) -> list[list[int]]:
+    """Layer ids per unit position j of a layer group (one per repeat)."""
+    return [[g.start + r * g.unit + j for r in range(g.repeats)] for j in range(g.unit)]
+
+
+def host_store_of(tree) -> HostEngramStore | None:
+    """The `HostEngramStore` behind the `HostTables` handles of params (or any tree of them),
+    None when the tables are arrays. One store per model (ValueError otherwise)."""
+    handles = [h for h in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, HostTables))
+               if isinstance(h, HostTables)]
+    stores = {id(h.store): h.store for h in handles}
+    if len(stores) > 1:
+        raise ValueError(f"params refer to {len(stores)} different Engram host stores; one "
+                         f"store holds every Engram layer of a model")
+    return next(iter(stores.values()), None)
+
+
+def params_tables(params) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(codes uint8 [R_l, W], scales uint8 [R_l, W/32])] of each Engram layer of params
+    whose tables are arrays (FP8 bytes), in config order, as host numpy arrays."""
+    cfg = params.config
+    out = []
+    for layer in cfg.engram_layer_ids:
+        w = params["layers"][layer]["engram"]
+        if HOST_TABLES in w:
+            raise ValueError(f"layer {layer}: the Engram tables are in a host store already")
+        table, scale = (np.asarray(jax.device_get(w[k])) for k in TABLE_KEYS)
+        if table.dtype.itemsize != 1:
+            raise ValueError(f"layer {layer}: a host store holds FP8 table bytes, but the "
+                             f"params' table is {table.dtype} (dequantised)")
+        out.append((table.view(np.uint8), scale.view(np.uint8)))
+    return out
+
+
+def with_host_tables(params, store: HostEngramStore):
+    """params whose Engram layers read their tables from `store` (the config's layers, rows
+    and width): "table" / "table_scale" dropped, a `HostTables` handle in their place."""
+    from deepinfer_fn.params import Params
+    cfg = params.config
+    if not isinstance(store, HostEngramStore):
+        raise TypeError(f"with_host_tables needs a HostEngramStore, got {type(store).__name__}")
+    _check_config(store.tables, store.layer_ids, cfg)
+    handle = HostTables(store)
+
+    def swap(scanned, tree):
+        if not isinstance(tree, dict) or "engram" not in tree:
+            return tree
+        e = {k: v for k, v in tree["engram"].items() if k not in TABLE_KEYS and k != HOST_TABLES}
+        return {**tree, "engram": {**e, HOST_TABLES: handle}}
+
+    return Params({**params.weights, "layers": params["layers"].map_blocks(swap)}, cfg)
+
+
+def with_table_arrays(params):
+    """The inverse of `with_host_tables`: each Engram layer's "table" / "table_scale" are the
+    store's numpy arrays again (memory maps stay maps; a scanned group stacks its layers'
+    tables, a copy). For `save_params` or `jax.device_put`; params without a store as is."""
+    from deepinfer_fn.layer_groups import LayerStack
+    from deepinfer_fn.params import Params
+    store = host_store_of(params)
+    if store is None:
+        return params
+    stack = params["layers"]
+    by_layer = dict(zip(store.layer_ids, store.tables))
+    blocks = []
+    for g, blk in zip(stack.groups, stack.blocks):
+        new = []
+        for tree, layer_ids in zip(blk, _engram_layer_ids(g)):
+            if isinstance(tree, dict) and HOST_TABLES in tree.get("engram", {}):
+                e = {k: v for k, v in tree["engram"].items() if k != HOST_TABLES}
+                pairs = [by_layer[i] for i in layer_ids]
+                for k, part in zip(TABLE_KEYS, zip(*pairs)):
+                    e[k] = np.stack(part) if g.scanned else part[0]
+                tree = {**tree, "engram": e}
+            new.append(tree)
+        blocks.append(tuple(new))
+    return Params({**params.weights, "layers": LayerStack(stack.groups, tuple(blocks))},
+                  params.config)

@@ -11,11 +11,22 @@ Attention reads and writes the shared latents / selections of `model.attention_v
 travel through the layer stack with the streams, so scanned layer groups (`layer_groups.py`)
 run as one `lax.scan` like V4. Engram's hash ids are computed once for the sequence (fresh
 request: pad history) from a token map (`default_token_map`).
+
+Engram tables as arrays in the params (on the device, or row-sharded over a mesh) are read
+with `jnp.take` in each Engram layer. Tables in a host store (`engram_store.HostTables` in the
+params, `load_params(engram_store="host")`): `engram_inputs` gathers every Engram layer's
+rows once per call, right after the ids are hashed, through one host callback, and the
+layers read those rows (`EngramRows`). The device waits for that gather: the ids exist only
+once the tokens are on the device. Where the host knows the tokens ahead (prompt chunks,
+verify blocks), `host_row_ids` + `HostEngramStore.submit` gather the next chunk while the
+current one runs and `forward_chunk(engram_rows=store.take())` skips the callback; plain
+decode learns its ids only when the previous token is sampled, so it takes the callback.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +38,7 @@ from deepinfer_fn.model import engram
 from deepinfer_fn.model.attention_v41 import attention_sequence, empty_shared
 from deepinfer_fn.model.cached_v41 import attention_chunk, chunk_positions, ring_read, ring_write
 from deepinfer_fn.model.common import rms_norm
+from deepinfer_fn.model.engram_store import HOST_TABLES, host_rows, host_store_of
 from deepinfer_fn.model.lagged_mhc import (final_collapse, fused_sublayer, initial_pending,
                                            lagged_sublayer)
 from deepinfer_fn.model.moe import moe_layer
@@ -59,12 +71,71 @@ def engram_row_ids(cfg: ModelConfig, token_ids: jax.Array, token_map=None) -> ja
     return engram.hash_ids(token_ids, history, jnp.asarray(token_map, jnp.int32), consts)
 
 
+def host_row_ids(cfg: ModelConfig, token_ids, history, token_map=None) -> np.ndarray:
+    """numpy int32 [B, S, L_e, C]: the Engram rows a chunk reads, computed on the host (for a
+    prefetch: `HostEngramStore.submit`). token_ids [B, S] as passed to `forward_chunk`
+    (clipped to the vocabulary the same way); history [B, n-1] the raw ids before the chunk,
+    oldest first (pad_id before the sequence start: `np.full((B, 3), cfg.engram_pad_token_id)`
+    for a fresh request). Equal to the ids `forward_chunk` hashes on the device."""
+    consts = engram.HashConstants.from_config(cfg)
+    token_map = default_token_map(cfg) if token_map is None else token_map
+    ids = np.clip(np.asarray(token_ids), 0, cfg.vocab_size - 1)
+    history = np.asarray(history)
+    if ids.ndim != 2 or history.shape != (ids.shape[0], consts.history):
+        raise ValueError(f"host_row_ids: token_ids must be [B, S] and history [B, "
+                         f"{consts.history}], got {ids.shape} and {history.shape}")
+    return engram.hash_ids_host(ids, history, np.asarray(token_map), consts)
+
+
+class EngramRows(NamedTuple):
+    """Every Engram layer's table rows of a call, gathered before the layers: codes uint8
+    [B, T, L_e, C, W], scales uint8 [B, T, L_e, C, W/32] (a store's gather layout)."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+
+def engram_inputs(params, row_ids: jax.Array | None, rows=None):
+    """What the Engram layers read: row_ids int32 [B, T, L_e, C] when the tables are arrays
+    in the params; `EngramRows` of `rows` ((codes, scales) gathered ahead, e.g. by a store's
+    `take`) when given; else, for tables in a host store, the rows gathered now through one
+    host callback (`engram_store.host_rows`)."""
+    if row_ids is None:
+        if rows is not None:
+            raise ValueError("engram_rows given, but the model has no Engram layers")
+        return None
+    if rows is not None:
+        codes, scales = rows
+        W, nb = params.config.engram_head_dim, -(-params.config.engram_head_dim // 32)
+        if (tuple(codes.shape) != tuple(row_ids.shape) + (W,)
+                or tuple(scales.shape) != tuple(row_ids.shape) + (nb,)):
+            raise ValueError(f"engram_rows must be (codes {tuple(row_ids.shape) + (W,)}, scales "
+                             f"{tuple(row_ids.shape) + (nb,)}) for these tokens, got "
+                             f"{tuple(codes.shape)} and {tuple(scales.shape)}")
+        return EngramRows(jnp.asarray(codes), jnp.asarray(scales))
+    store = host_store_of(params["layers"])
+    if store is None:
+        return row_ids
+    return EngramRows(*host_rows(store, row_ids))
+
+
 def engram_update(w: dict, streams: jax.Array, row_ids: jax.Array, token_ids: jax.Array,
-                  cfg: ModelConfig) -> jax.Array:
+                  cfg: ModelConfig, rows=None) -> jax.Array:
     """One Engram layer on the residual streams [B, T, n, D]; row_ids int32 [B, T, C] (this
     layer's columns). Tables: FP8 bytes + UE8M0 scales, or a float array of dequantised rows
-    (test configs). Image-token rows are left unchanged."""
+    (test configs); rows: this layer's gathered (codes uint8 [B, T, C, W], scales uint8
+    [B, T, C, W/32]) instead (tables in a host store; row_ids unused). Image-token rows are
+    left unchanged."""
     skip = token_ids == cfg.image_token_id if cfg.image_token_id >= 0 else None
+    if rows is not None:
+        codes, scales = rows
+        e = engram.dequantize_rows(codes, scales, w["wkv"].dtype)
+        e = e.reshape(e.shape[:-2] + (e.shape[-2] * e.shape[-1],))
+        return engram.gate(streams, e, w["wkv"], w["q_weight"], w["k_weight"],
+                           eps=cfg.rms_norm_eps, skip=skip)
+    if HOST_TABLES in w:
+        raise ValueError("engram_update: this layer's tables are in a host store; pass the "
+                         "gathered rows (transformer_v41.engram_inputs)")
     table = w["table"]
     if jnp.issubdtype(table.dtype, jnp.floating):
         e = jnp.take(table, row_ids, axis=0).astype(w["wkv"].dtype)
@@ -90,12 +161,20 @@ def embed(params, token_ids: jax.Array) -> jax.Array:
 
 
 def maybe_engram(lp, streams, layer_id, kind: str, token_ids, row_ids, cfg: ModelConfig):
-    """Engram before the layer if it is an Engram layer (layer_id: int or traced int32)."""
+    """Engram before the layer if it is an Engram layer (layer_id: int or traced int32).
+    row_ids: `engram_inputs` (ids int32 [B, T, L_e, C] or `EngramRows`); plain ids with the
+    tables in a host store gather every layer's rows here (a callback per Engram layer)."""
     if "engram" not in kind.split("+")[1:]:
         return streams
     ids = jnp.asarray(cfg.engram_layer_ids, jnp.int32)
     i = jnp.searchsorted(ids, jnp.asarray(layer_id, jnp.int32))
-    return engram_update(lp["engram"], streams, jnp.take(row_ids, i, axis=2), token_ids, cfg)
+    w = lp["engram"]
+    if not isinstance(row_ids, EngramRows) and HOST_TABLES in w:
+        row_ids = EngramRows(*host_rows(w[HOST_TABLES].store, row_ids))   # one gather per layer
+    if isinstance(row_ids, EngramRows):
+        rows = tuple(jnp.take(a, i, axis=2) for a in row_ids)
+        return engram_update(w, streams, None, token_ids, cfg, rows=rows)
+    return engram_update(w, streams, jnp.take(row_ids, i, axis=2), token_ids, cfg)
 
 
 def layer(lp, carry, layer_id, kind: str, token_ids, positions, row_ids, cfg: ModelConfig,
@@ -115,16 +194,19 @@ def layer(lp, carry, layer_id, kind: str, token_ids, positions, row_ids, cfg: Mo
     return streams, pending, shared
 
 
-def backbone(params, token_ids: jax.Array, token_map=None, *, lagged: bool = True):
+def backbone(params, token_ids: jax.Array, token_map=None, *, lagged: bool = True,
+             engram_rows=None):
     """Final residual streams [B, T, n, D] and pending weights [B, T, n] (the last FFN's pre)
     of the whole V4.1 stack over token_ids [B, T] from position 0. lagged=False runs V4's
-    fused collapse instead (an ablation: not the V4.1 model)."""
+    fused collapse instead (an ablation: not the V4.1 model). engram_rows: as in
+    `forward_chunk`."""
     cfg = params.config
     if not cfg.is_v41:
         raise ValueError(f"transformer_v41.backbone needs a V4.1 config, got {cfg.model_type!r}")
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     row_ids = engram_row_ids(cfg, token_ids, token_map) if cfg.engram_layer_ids else None
+    row_ids = engram_inputs(params, row_ids, engram_rows)
     streams = embed(params, token_ids)
     carry = (streams, initial_pending((B, T), cfg.hc_mult),
              empty_shared(cfg, B, T, streams.dtype))
@@ -209,7 +291,7 @@ def check_taps(cfg: ModelConfig, taps, tap: str) -> None:
 
 def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array, *,
                   all_logits: bool = False, token_map=None, row_floor=None,
-                  taps: tuple[int, ...] | None = None, tap: str = "pre"):
+                  taps: tuple[int, ...] | None = None, tap: str = "pre", engram_rows=None):
     """A chunk against a V4.1 decode state (prefill chunk, decode step or verify chunk).
 
     token_ids [B, S] int32 (entries past n_new[b] are padding); n_new [B] int32 in [0, S].
@@ -223,7 +305,12 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
 
     taps (layer ids, the DSpark target features of docs/MODEL.md §V5.2): also return a 4th
     output, features [B, S, len(taps), D], the residual streams averaged over the n copies
-    at the tapped layer's input after its Engram update ("pre") or at its output ("post")."""
+    at the tapped layer's input after its Engram update ("pre") or at its output ("post").
+
+    engram_rows (optional): (codes uint8 [B, S, L_e, C, W], scales uint8 [B, S, L_e, C,
+    W/32]), the chunk's Engram rows gathered ahead (`host_row_ids` of the same tokens and
+    history, `HostEngramStore.submit` / `take`); without it, tables in a host store are
+    gathered by one host callback right after the ids are hashed."""
     cfg = params.config
     if not isinstance(state, V41DecodeState):
         raise TypeError(f"forward_chunk: a V4.1 model needs a state.V41DecodeState, got "
@@ -240,6 +327,7 @@ def forward_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: ja
         token_map = default_token_map(cfg) if token_map is None else token_map
         row_ids = engram.hash_ids(token_ids, chunk_history(state, consts), jnp.asarray(
             token_map, jnp.int32), consts)
+    row_ids = engram_inputs(params, row_ids, engram_rows)
     streams = embed(params, token_ids)
     carry = (streams, initial_pending((B, S), cfg.hc_mult),
              empty_shared(cfg, B, S, streams.dtype, capacity=state.max_len))
