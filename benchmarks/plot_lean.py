@@ -1,6 +1,6 @@
 """Plots a benchmarks/lean.py results JSON into a PNG beside it (four panels: compile
-seconds, decode step vs the HBM roofline, prefill against the bf16 peak, kernels per decode
-step by category).
+seconds, decode step vs the HBM roofline per preset and Engram store, prefill against the
+bf16 peak per preset, kernels per decode step by category).
 
     python benchmarks/plot_lean.py benchmarks/results/lean_h200.json
 """
@@ -38,15 +38,26 @@ def _compile_panel(ax, data):
     ax.legend(fontsize=7)
 
 
+def _series(row) -> str:
+    """A decode row's curve: preset (V4.1: and its Engram store) and context."""
+    name = row.get("preset", "")
+    if row.get("engram"):
+        name += f" {row['engram']} tables"
+    return f"{name} ctx {row['context']}".strip()
+
+
 def _decode_panel(ax, data):
     rows = _ok(data.get("decode", {}).get("rows", []))
     rows = [r for r in rows if r.get("kind") == "decode"]
-    for ctx in sorted({r["context"] for r in rows}):
-        rs = sorted((r for r in rows if r["context"] == ctx), key=lambda r: r["batch"])
+    markers = {}
+    for series in sorted({_series(r) for r in rows}):
+        rs = sorted((r for r in rows if _series(r) == series), key=lambda r: r["batch"])
+        mk = markers.setdefault(rs[0].get("preset"), "os^dv"[len(markers) % 5])
         b = [r["batch"] for r in rs]
-        line, = ax.plot(b, [r["step_ms"] for r in rs], "o-", label=f"measured, ctx {ctx}")
-        ax.plot(b, [r["roofline_ms"] for r in rs], "x--", color=line.get_color(),
-                label=f"HBM roofline, ctx {ctx}")
+        line, = ax.plot(b, [r["step_ms"] for r in rs], mk + "-", label=f"measured, {series}")
+        if rs[0].get("engram") != "host":       # the host arm has the device arm's roofline
+            ax.plot(b, [r["roofline_ms"] for r in rs], "x--", color=line.get_color(),
+                    label=f"HBM roofline, {series}")
         for r in rs:
             ax.annotate(f"{r['roofline_ratio']:.0%}", (r["batch"], r["step_ms"]), fontsize=7,
                         textcoords="offset points", xytext=(3, 3))
@@ -70,14 +81,21 @@ def _decode_panel(ax, data):
 def _prefill_panel(ax, data):
     rows = [r for r in _ok(data.get("prefill", {}).get("rows", [])) if r.get("kind") == "prefill"]
     peer = [r for r in _ok(data.get("peer", {}).get("rows", [])) if r.get("name") == "prefill"]
-    labels = [f"{r['batch']}x{r['tokens']}" for r in rows]
+    labels = [f"{r.get('preset', '')}\n{r['batch']}x{r['tokens']}" for r in rows]
     ax.bar(range(len(rows)), [r["peak_ratio"] for r in rows], label="matmul + attention FLOPs")
     ax.bar(range(len(rows)), [r["matmul_peak_ratio"] for r in rows], width=0.4,
            label="matmul FLOPs only")
     for i, r in enumerate(rows):
         ax.annotate(f"{r['tokens_per_s'] / 1e3:.1f}k tok/s", (i, r["peak_ratio"]), fontsize=7,
                     ha="center", textcoords="offset points", xytext=(0, 3))
-    ax.set_xticks(range(len(rows)), labels)
+    dense = [i for i, r in enumerate(rows) if "dense_peak_ratio" in r]
+    if dense:
+        ax.scatter(dense, [rows[i]["dense_peak_ratio"] for i in dense], marker="_", s=300,
+                   color="k", label="V4.1: dense attention as run", zorder=3)
+    tops = [r["peak_ratio"] for r in rows] + [rows[i]["dense_peak_ratio"] for i in dense]
+    if tops:
+        ax.set_ylim(0, 1.35 * max(tops))                  # room for the legend above the bars
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("fraction of the measured bf16 peak")
     pk = [r for r in data.get("prefill", {}).get("rows", []) if r.get("kind") == "peak"]
     title = "prefill / bf16 peak"

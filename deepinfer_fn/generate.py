@@ -24,7 +24,8 @@ import numpy as np
 from deepinfer_fn import bundle, structured
 from deepinfer_fn.api import mesh_context
 from deepinfer_fn.compile_cache import Job, precompile
-from deepinfer_fn.decoding.checks import check_options, check_prompts, check_stop_tokens
+from deepinfer_fn.decoding.checks import (check_bounded_replay, check_options, check_prompts,
+                                          check_stop_tokens)
 from deepinfer_fn.decoding.constrained import constrained_blocks
 from deepinfer_fn.decoding.output import GenerateOutput
 from deepinfer_fn.decoding.plain import decode_block, decode_width, plain_blocks, stop_array
@@ -50,7 +51,8 @@ def generate(params: Params | bundle.Model, tokens, *, lengths=None, max_new_tok
              pad_id: int | None = None, prefill_chunk: int = 512, max_len: int | None = None,
              window_slots: int | None = None, constraint=None, tokenizer=None,
              speculative: str | None = None, num_draft_tokens: int | None = None,
-             drafter=None, verify_len: str = "fixed", verify_cost=None) -> GenerateOutput:
+             drafter=None, verify_len: str = "fixed", verify_cost=None,
+             decoder_swa_bounded_replay: bool | None = None) -> GenerateOutput:
     """Generates up to `max_new_tokens` per prompt.
 
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
@@ -98,6 +100,13 @@ def generate(params: Params | bundle.Model, tokens, *, lengths=None, max_new_tok
 
     Any other name registered in `deepinfer_fn.speculative.registry` runs its drafter through
     the same step (`speculative.loop.speculative_step`), with `drafter=` its weights.
+
+    decoder_swa_bounded_replay (DeepSeek-V4.1, docs/MODEL.md §V3-V4): None (default) = on for
+    V4.1 models, off for V4; True on a V4 model raises ArgumentError. On, every prefill chunk
+    runs the late layers (from the last kv source on) on its last sliding_window rows only,
+    their window floored there (`model.replay_v41.extend`); decode steps and speculative verify
+    chunks run every row. The speculative prefill does the same, the drafter's context taken
+    from the tail rows' features. Off: every layer on every row (the exact prefill).
     """
     params, drafter, tokenizer = bundle.unpack(params, speculative=speculative, drafter=drafter,
                                                tokenizer=tokenizer, where="generate")
@@ -109,6 +118,7 @@ def generate(params: Params | bundle.Model, tokens, *, lengths=None, max_new_tok
                   prefill_chunk=prefill_chunk, window_slots=window_slots,
                   return_logprobs=return_logprobs, speculative=speculative,
                   num_draft_tokens=num_draft_tokens, verify_len=verify_len)
+    bounded_replay = check_bounded_replay(cfg, decoder_swa_bounded_replay)
     if speculative is not None:
         runs = speculative_run(
             params, tokens, lengths, method=speculative, k=num_draft_tokens,
@@ -117,7 +127,7 @@ def generate(params: Params | bundle.Model, tokens, *, lengths=None, max_new_tok
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
             stop_tokens=stop_tokens, pad_id=pad_id, prefill_chunk=prefill_chunk,
             max_len=max_len, window_slots=window_slots, constraint=constraint,
-            tokenizer=tokenizer)
+            tokenizer=tokenizer, bounded_replay=bounded_replay)
         return speculative_output(runs, max_new_tokens=int(max_new_tokens),
                                   return_logprobs=return_logprobs)
     return _generate_blocks(params, tokens, lengths, max_new_tokens=int(max_new_tokens),
@@ -126,7 +136,7 @@ def generate(params: Params | bundle.Model, tokens, *, lengths=None, max_new_tok
                             return_logprobs=return_logprobs, pad_id=pad_id,
                             prefill_chunk=prefill_chunk, max_len=max_len,
                             window_slots=window_slots, constraint=constraint,
-                            tokenizer=tokenizer).__next__()
+                            tokenizer=tokenizer, bounded_replay=bounded_replay).__next__()
 
 
 
@@ -156,6 +166,7 @@ def stream_generate(params: Params | bundle.Model, tokens, *, block: int = 8, **
         raise ArgumentTypeError("stream_generate: missing the keyword argument max_new_tokens")
     max_new_tokens = kwargs.pop("max_new_tokens")
     lengths = kwargs.pop("lengths", None)
+    bounded_replay = kwargs.pop("decoder_swa_bounded_replay", None)
     _with_defaults(kwargs)  # unknown keywords fail here, at the call
     tokens, lengths = check_prompts(tokens, lengths, params.config, max_new_tokens,
                                     kwargs.get("max_len"), where="stream_generate")
@@ -170,6 +181,7 @@ def stream_generate(params: Params | bundle.Model, tokens, *, block: int = 8, **
                   verify_len=speculative.get("verify_len", "fixed"), **options)
     block = positive_int("stream_generate", "block", block)
     max_new_tokens = int(max_new_tokens)
+    bounded_replay = check_bounded_replay(params.config, bounded_replay, where="stream_generate")
 
     def blocks():
         if speculative.get("speculative") is not None:
@@ -179,12 +191,12 @@ def stream_generate(params: Params | bundle.Model, tokens, *, block: int = 8, **
                 k=speculative.get("num_draft_tokens"), drafter=speculative.get("drafter"),
                 verify_len=speculative.get("verify_len", "fixed"),
                 verify_cost=speculative.get("verify_cost"), max_new_tokens=max_new_tokens,
-                block=block, **_with_defaults(kwargs))
+                block=block, bounded_replay=bounded_replay, **_with_defaults(kwargs))
             pad = params.config.eos_token_id if kwargs.get("pad_id") is None else kwargs["pad_id"]
             yield from speculative_pieces(runs, pad_id=pad, return_logprobs=return_logprobs)
             return
         yield from _generate_blocks(params, tokens, lengths, max_new_tokens=max_new_tokens,
-                                    block=block, **kwargs)
+                                    block=block, bounded_replay=bounded_replay, **kwargs)
     return blocks()
 
 
@@ -205,9 +217,10 @@ def _with_defaults(kwargs: dict) -> dict:
 def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperature=0.0,
                      top_k=None, top_p=None, min_p=None, seed=0, stop_tokens=(),
                      return_logprobs=False, pad_id=None, prefill_chunk=512, max_len=None,
-                     window_slots=None, constraint=None, tokenizer=None):
+                     window_slots=None, constraint=None, tokenizer=None, bounded_replay=False):
     """The plain (or constrained) run of `generate` / `stream_generate`: outputs of up to
-    `block` tokens per row (`generate`: one block of max_new_tokens)."""
+    `block` tokens per row (`generate`: one block of max_new_tokens); bounded_replay: the
+    resolved decoder_swa_bounded_replay."""
     cfg = params.config
     B = tokens.shape[0]
     constrained = None
@@ -224,7 +237,8 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
         precompile(generate_programs(
             params, Bp, tokens.shape[1], max_new_tokens, block=block,
             prefill_chunk=prefill_chunk, max_len=capacity, window_slots=window_slots,
-            num_stop_tokens=len(stop_tokens), constrained=constrained is not None))
+            num_stop_tokens=len(stop_tokens), constrained=constrained is not None,
+            decoder_swa_bounded_replay=bounded_replay))
     state = on_mesh(empty_state(cfg, Bp, capacity, window_slots=window_slots,
                                 dtype=params.dtype), mesh)
     pad = jax.device_put(np.int32(cfg.eos_token_id if pad_id is None else pad_id))
@@ -232,7 +246,8 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
     stops = stop_array(stop_tokens)
     width = decode_width(max_new_tokens, block)
     with mesh_context(params)[1]:
-        logits, state = prefill(params, state, tokens, lengths, prefill_chunk)
+        logits, state = prefill(params, state, tokens, lengths, prefill_chunk,
+                                bounded_replay=bounded_replay)
     if constrained is not None:
         yield from constrained_blocks(params, state, logits, done, sampling, pad, constrained,
                                       B=B, max_new_tokens=max_new_tokens, block=block,
@@ -246,12 +261,16 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
 def generate_programs(params: Params, batch: int, prompt_len: int, max_new_tokens: int, *,
                       block: int | None = None, prefill_chunk: int = 512,
                       max_len: int | None = None, window_slots: int | None = None,
-                      num_stop_tokens: int = 1, constrained: bool = False) -> list[Job]:
+                      num_stop_tokens: int = 1, constrained: bool = False,
+                      decoder_swa_bounded_replay: bool | None = None) -> list[Job]:
     """The programs a single-device `generate` (block None) or `stream_generate(block=)` call
     with these shapes runs, as `compile_cache.Job`s: the empty state, the prefill chunk, and
     the decode loop (one per feed_last variant). `precompile(generate_programs(...))` compiles
-    them in parallel; JAX's in-memory and persistent caches then serve the real call."""
+    them in parallel; JAX's in-memory and persistent caches then serve the real call.
+    decoder_swa_bounded_replay: as `generate` (None: on for V4.1), picks the prefill program."""
     cfg = params.config
+    bounded_replay = check_bounded_replay(cfg, decoder_swa_bounded_replay,
+                                          where="generate_programs")
     block = max_new_tokens if block is None else max(1, int(block))
     capacity = max_len or min(bucket(prompt_len + max_new_tokens), cfg.max_position_embeddings)
     sd = jax.ShapeDtypeStruct
@@ -268,7 +287,7 @@ def generate_programs(params: Params, batch: int, prompt_len: int, max_new_token
                                                            dtype=params.dtype)),
             Job(prefill_forward, (params, state,
                                   i32(batch, prefill_width(prompt_len, prefill_chunk)),
-                                  i32(batch)))]
+                                  i32(batch)), dict(bounded_replay=bounded_replay))]
     for feed_last in (False, True)[:1 + (max_new_tokens > block)]:
         jobs.append(Job(decode_block, (params, state, logits, done, sampling, i32()) + masks,
                         dict(n=width, stops=stops, limit=i32(), feed_last=feed_last)))

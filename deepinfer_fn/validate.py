@@ -95,6 +95,16 @@ def boolean(where: str, name: str, value) -> bool:
     return bool(value)
 
 
+def optional_boolean(where: str, name: str, value) -> bool | None:
+    """None (the default applies) or True / False."""
+    if value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{_prefix(where, name)} must be True, False or None (the "
+                                f"model's default), got {describe(value)}")
+    return bool(value)
+
+
 def one_of(where: str, name: str, value, allowed) -> object:
     allowed = tuple(allowed)
     try:

@@ -49,8 +49,8 @@ def tokens(seed, n):
 def generate_reference(prompts, temperature, seed, **kw):
     """`di.generate` on the prompts (one padded [4, 64] batch, so every call shares its
     programs; kw: e.g. speculative=): per prompt (tokens, logprobs) of N_NEW new tokens.
-    Bounded replay: generate's default prefill (every layer on every row). Every generate
-    call of this file is this one."""
+    Decoder bounded replay off (every layer on every row), as the engines compared with it.
+    Every generate call of this file is this one."""
     B = len(prompts)
     assert B <= 4 and max(map(len, prompts)) <= 64
     rows = list(prompts) + [prompts[0]] * (4 - B)
@@ -60,7 +60,7 @@ def generate_reference(prompts, temperature, seed, **kw):
     pad = lambda v: np.array(list(v) + [v[0]] * (4 - B))
     out = di.generate(params(), toks, lengths=np.array([len(p) for p in rows]),
                       max_new_tokens=N_NEW, temperature=pad(temperature), seed=pad(seed),
-                      return_logprobs=True, **kw)
+                      return_logprobs=True, decoder_swa_bounded_replay=False, **kw)
     t, lp = np.asarray(out.tokens), np.asarray(out.logprobs)
     return [(t[i].tolist(), lp[i]) for i in range(B)]
 

@@ -484,7 +484,8 @@ def test_greedy_generate_equals_forward_argmax_rollout(params):
     """`generate` runs V4.1 through the `init_state` / `forward_chunk` dispatch: each greedy
     token is the no-cache forward's argmax over the prompt and the tokens before it."""
     ids = tokens(12, length=T - 5)
-    out = np.asarray(di.generate(params, ids, max_new_tokens=5, prefill_chunk=4).tokens)
+    out = np.asarray(di.generate(params, ids, max_new_tokens=5, prefill_chunk=4,
+                                 decoder_swa_bounded_replay=False).tokens)
     seq = np.concatenate([ids, out], axis=1)
     assert seq.shape == (1, T)
     argmax = np.asarray(api.forward(params, seq)).argmax(-1)

@@ -2,8 +2,10 @@
 `deepinfer_fn.generate`):
 
   output       GenerateOutput
-  checks       host-side argument checks (check_prompts, check_stop_tokens, check_options)
-  prefill      chunked prefill (prefill, prefill_forward, prefill_chunks), shape buckets
+  checks       host-side argument checks (check_prompts, check_stop_tokens, check_options,
+               check_bounded_replay)
+  prefill      chunked prefill (prefill, prefill_forward, prefill_chunks; V4.1 decoder SWA
+               bounded replay), shape buckets
   plain        the jitted decode loop (decode_block, stop_array, decode_width, plain_blocks)
   constrained  the decode loop under per-step grammar masks (constrained_blocks)
   speculative  the speculative run: drafter prefill, then a while-loop of

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from deepinfer_fn.errors import ArgumentError, ArgumentTypeError
+from deepinfer_fn.model.replay_v41 import late_layer_start
 from deepinfer_fn.sampling import check_sampling
 from deepinfer_fn.speculative import registry
 from deepinfer_fn.validate import (boolean, describe, image_token_message, is_int, one_of,
-                                   positive_int, token_id)
+                                   optional_boolean, positive_int, token_id)
 
 
 def check_prompts(tokens, lengths, cfg, max_new_tokens: int, max_len: int | None,
@@ -105,3 +106,25 @@ def check_options(cfg, batch: int, *, where: str, temperature=0.0, top_k=None, t
     if num_draft_tokens is not None:
         positive_int(where, "num_draft_tokens", num_draft_tokens)
     one_of(where, "verify_len", verify_len, ("fixed", "dynamic", "random"))
+
+
+def check_bounded_replay(cfg, value, where: str = "generate") -> bool:
+    """decoder_swa_bounded_replay resolved: None -> on for a DeepSeek-V4.1 config whose layers
+    allow it (`replay_v41.late_layer_start`), off otherwise; True on a V4 config (or a V4.1
+    config that does not allow it) raises ArgumentError naming the flag."""
+    value = optional_boolean(where, "decoder_swa_bounded_replay", value)
+    if value is False:
+        return False
+    if not cfg.is_v41:
+        if value:
+            raise ArgumentError(f"{where}: decoder_swa_bounded_replay=True needs a DeepSeek-V4.1 "
+                                f"model (model_type {cfg.model_type!r} has no late stack to run "
+                                f"on a tail); leave it None or pass False")
+        return False
+    try:
+        late_layer_start(cfg)
+    except ValueError as e:
+        if value:
+            raise ArgumentError(f"{where}: decoder_swa_bounded_replay=True: {e}") from None
+        return False
+    return True

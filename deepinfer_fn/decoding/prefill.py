@@ -3,6 +3,9 @@
 A prompt batch tokens [B, T] with real lengths [B] is fed in chunks of `prefill_width(T,
 chunk)` columns; row b takes its lengths[b] tokens and then nothing (n_new = 0: state
 unchanged). The logits of each row's last prompt token are kept from the chunk it ends in.
+With `bounded_replay` (DeepSeek-V4.1's decoder SWA bounded replay, docs/MODEL.md §V3-V4)
+every chunk is a `replay_v41.extend`: the late layers run on the chunk's last sliding_window
+rows only, their window floored there; decode steps and verify chunks run every row.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_fn.model import transformer
+from deepinfer_fn.model import replay_v41, transformer
 from deepinfer_fn.params import Params
 from deepinfer_fn.state import DecodeState, init_state
 
@@ -60,18 +63,23 @@ def keep_last(prev, new, ends_here):
     return jax.tree.map(pick, new, prev)
 
 
-@functools.partial(jax.jit, donate_argnums=(1,))
-def prefill_forward(params: Params, state: DecodeState, chunk, n_new):
-    """One prefill chunk [B, c] against the state (donated): (last-token logits [B,V], state)."""
+@functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("bounded_replay",))
+def prefill_forward(params: Params, state: DecodeState, chunk, n_new, *,
+                    bounded_replay: bool = False):
+    """One prefill chunk [B, c] against the state (donated): (last-token logits [B,V], state).
+    bounded_replay: a V4.1 extend with decoder SWA bounded replay (tail = sliding_window)."""
+    if bounded_replay:
+        return replay_v41.extend(params, state, chunk, n_new, decoder_swa_bounded_replay=True)
     logits, state, _ = transformer.forward_chunk(params, state, chunk, n_new)
     return logits, state
 
 
 def prefill(params: Params, state: DecodeState, tokens: np.ndarray, lengths: np.ndarray,
-            chunk: int):
+            chunk: int, *, bounded_replay: bool = False):
     """Chunked prefill of right-padded prompts; returns (last-token logits [B,V], state)."""
     last = None
     for ids, _, n_new, ends_here in prefill_chunks(tokens, lengths, chunk):
-        logits, state = prefill_forward(params, state, ids, jax.device_put(n_new))
+        logits, state = prefill_forward(params, state, ids, jax.device_put(n_new),
+                                        bounded_replay=bounded_replay)
         last = keep_last(last, logits, ends_here)
     return last, state

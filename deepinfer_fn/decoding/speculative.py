@@ -2,14 +2,16 @@
 `lax.while_loop` of `speculative.loop.speculative_step` for any registered drafter.
 
 A run: the target's chunked prefill with the drafter's (`Drafter.prefill` after every chunk,
-the prompt's continuation known on the host); the first token sampled from the prefill logits
-as plain decoding does; then segments of the while-loop, each running the rows short of a
-token target (`generate`: one segment to the end; `stream_generate`: one per block). A row
-that reaches the target waits without taking steps (no key consumed), so its tokens are
-those of `generate`. With a constraint, the rows' matchers are registered for the host
-callbacks for the run's lifetime (`structured.register`); drafts are drawn under the grammar
-masks and verified against the masked target, and a constraint that fails to compile ends its
-row alone.
+the prompt's continuation known on the host; with V4.1's decoder SWA bounded replay the target
+chunk is a `replay_v41.extend` and the drafter sees the chunk's tail rows only, the last
+sliding_window positions, all that its window context holds); the first token sampled from
+the prefill logits as plain decoding does; then segments of the while-loop, each running the
+rows short of a token target (`generate`: one segment to the end; `stream_generate`: one per
+block). A row that reaches the target waits without taking steps (no key consumed), so its
+tokens are those of `generate`. With a constraint, the rows' matchers are registered for the
+host callbacks for the run's lifetime (`structured.register`); drafts are drawn under the
+grammar masks and verified against the masked target, and a constraint that fails to compile
+ends its row alone.
 
 The loop carry: the target state, the drafter state, the anchor (last committed token), the
 output buffers out / logp [B, n + k + 1] and count / done / step per row, the per-step
@@ -32,7 +34,7 @@ from deepinfer_fn.api import mesh_context
 from deepinfer_fn.decoding.output import GenerateOutput
 from deepinfer_fn.decoding.prefill import bucket, keep_last, prefill_chunks
 from deepinfer_fn.decoding.rows import mesh_rows, on_mesh, replicated, rows_per_device
-from deepinfer_fn.model import transformer
+from deepinfer_fn.model import replay_v41, transformer
 from deepinfer_fn.params import Params
 from deepinfer_fn.sampling import SamplingParams, sample
 from deepinfer_fn.speculative import registry
@@ -44,29 +46,43 @@ from deepinfer_fn.state import DecodeState, init_state
 # --- prefill ---------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("drafter",), donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnames=("drafter", "bounded_replay"), donate_argnums=(2, 3))
 def spec_prefill_chunk(params: Params, weights, state: DecodeState, dstate, chunk, next_ids,
-                       n_new, n_next, *, drafter: Drafter):
+                       n_new, n_next, *, drafter: Drafter, bounded_replay: bool = False):
     """A target prefill chunk [B,c] (with the drafter's taps), then `drafter.prefill` over it;
     next_ids [B,c]: the token after each position, known for the first n_next [B] of them.
+    bounded_replay (V4.1): the chunk is a decoder-bounded-replay extend and the drafter gets
+    its tail rows (`replay_v41.tail_columns`): positions start + first .. start + n_new - 1.
     Returns (last-token logits [B,V], state, dstate)."""
     start = state.lengths
-    logits, state, feats = target_features(transformer.forward_chunk(
-        params, state, chunk, n_new, **drafter.taps(weights)))
-    dstate = drafter.prefill(params, weights, dstate, start, feats, chunk, n_new, next_ids,
-                             n_next)
+    if not bounded_replay:
+        logits, state, feats = target_features(transformer.forward_chunk(
+            params, state, chunk, n_new, **drafter.taps(weights)))
+        dstate = drafter.prefill(params, weights, dstate, start, feats, chunk, n_new, next_ids,
+                                 n_next)
+        return logits, state, dstate
+    taps = {"taps": (), **drafter.taps(weights)}     # () -> features [B, St, 0, D]
+    logits, state, feats = target_features(replay_v41.extend(
+        params, state, chunk, n_new, decoder_swa_bounded_replay=True, **taps))
+    first, n_tail, cols = replay_v41.tail_columns(n_new, chunk.shape[1],
+                                                  params.config.sliding_window)
+    take = lambda a: replay_v41.take_columns(a, cols)
+    dstate = drafter.prefill(params, weights, dstate, start + first, feats, take(chunk), n_tail,
+                             take(next_ids), jnp.clip(n_next - first, 0, None))
     return logits, state, dstate
 
 
-def spec_prefill(params, drafter: Drafter, weights, state, dstate, tokens, lengths, chunk):
+def spec_prefill(params, drafter: Drafter, weights, state, dstate, tokens, lengths, chunk, *,
+                 bounded_replay: bool = False):
     """`prefill.prefill` with the drafter's: the target reaches lengths, the drafter has seen
-    every prompt position (the last one's next token is the first generated one)."""
+    every prompt position (the last one's next token is the first generated one; with
+    bounded_replay the last sliding_window of each chunk)."""
     last = None
     for ids, next_ids, n_new, ends_here in prefill_chunks(tokens, lengths, chunk):
         n_next = n_new - ends_here.astype(np.int32)     # positions whose next token is known
         logits, state, dstate = spec_prefill_chunk(
             params, weights, state, dstate, ids, jnp.asarray(next_ids), jnp.asarray(n_new),
-            jnp.asarray(n_next), drafter=drafter)
+            jnp.asarray(n_next), drafter=drafter, bounded_replay=bounded_replay)
         last = keep_last(last, logits, ends_here)
     return last, state, dstate
 
@@ -220,11 +236,11 @@ def _segments(carry, advance, *, n: int, block: int, stop_tokens, B: int, constr
 def speculative_run(params, tokens, lengths, *, method: str, k, max_new_tokens: int,
                     block: int, temperature, top_k, top_p, min_p, seed, stop_tokens, pad_id,
                     prefill_chunk, max_len, window_slots, constraint=None, tokenizer=None,
-                    drafter=None, verify_len="fixed", verify_cost=None):
+                    drafter=None, verify_len="fixed", verify_cost=None, bounded_replay=False):
     """Generator of `Segment`s of a speculative run (module docstring; the arguments are
     generate's, checked by `checks`; the drafter's own checks happen at the first step).
     method: a `speculative.registry` name; drafter: that drafter's weights (DSpark), or None;
-    k: num_draft_tokens."""
+    k: num_draft_tokens; bounded_replay: the resolved decoder_swa_bounded_replay."""
     cfg = params.config
     kind = registry.get(method)
     weights, k = kind.resolve(params, drafter, k)
@@ -250,7 +266,8 @@ def speculative_run(params, tokens, lengths, *, method: str, k, max_new_tokens: 
     weights = replicated(weights, mesh)      # a drafter is small: a full copy on every device
     with mesh_context(params)[1]:
         logits, state, dstate = spec_prefill(params, kind, weights, state, dstate, tokens,
-                                             lengths, prefill_chunk)
+                                             lengths, prefill_chunk,
+                                             bounded_replay=bounded_replay)
     pad = jnp.int32(cfg.eos_token_id if pad_id is None else pad_id)
     done = jnp.arange(Bp) >= B  # mesh padding rows never decode
     masks = sid = failed = None

@@ -81,21 +81,47 @@ def _engram_rows(params, state, token_ids, token_map):
                            jnp.asarray(token_map, jnp.int32), consts)
 
 
+def tail_columns(n_new: jax.Array, width: int, tail: int):
+    """The tail of a chunk of `width` columns with n_new [B] valid ones: (first [B], the
+    first tail column n_new - min(tail, n_new); n_tail [B] = min(tail, n_new); cols int32
+    [B, min(tail, width)], the chunk column of each tail row, clipped into the chunk)."""
+    St = min(tail, width)
+    n_tail = jnp.minimum(n_new, tail)
+    first = n_new - n_tail
+    cols = jnp.clip(first[:, None] + jnp.arange(St, dtype=jnp.int32)[None], 0, width - 1)
+    return first, n_tail, cols
+
+
+def take_columns(a: jax.Array, cols: jax.Array) -> jax.Array:
+    """a [B, S, ...] at the columns cols [B, St] -> [B, St, ...]."""
+    return jnp.take_along_axis(a, cols.reshape(cols.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
 def tail_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array, *,
-               tail: int, all_logits: bool = False, row_floor=None, token_map=None):
+               tail: int, all_logits: bool = False, row_floor=None, token_map=None,
+               taps: tuple[int, ...] | None = None, tap: str = "pre"):
     """One extend with decoder SWA bounded replay (module docstring, steps 1-4).
 
     token_ids [B, S] int32 (entries past n_new[b] padding); n_new [B] in [0, S]; tail: B_t >= 1
     rows. row_floor [B] (optional): as `transformer_v41.forward_chunk`. Returns (logits, new
     state): logits float32 [B, min(B_t, S), V] of the tail rows (tail row i is chunk column
-    n_new - min(B_t, n_new) + i; rows past the tail length are padding) if all_logits, else
-    those of each row's last valid token [B, V]."""
+    n_new - min(B_t, n_new) + i, `tail_columns`; rows past the tail length are padding) if
+    all_logits, else those of each row's last valid token [B, V].
+
+    taps (layer ids, as `transformer_v41.forward_chunk`): returns (logits, new state, streams,
+    features) instead, streams [B, St, n, D] the tail rows' final residual streams and features
+    [B, St, len(taps), D] the tapped layers' stream means at the tail rows (St = min(B_t, S);
+    a late layer's features exist only there, which is all a window-wide drafter context
+    needs)."""
     cfg = params.config
     if not isinstance(state, V41DecodeState):
         raise TypeError(f"tail_chunk: needs a state.V41DecodeState, got {type(state).__name__}")
     if not isinstance(tail, int) or tail < 1:
         raise ValueError(f"tail_chunk: tail must be a positive int, got {tail!r}")
     l0 = late_layer_start(cfg)
+    if taps is not None:
+        transformer_v41.check_taps(cfg, taps, tap)
+    tap_set, tapped = set(taps or ()), {}
     B, S = token_ids.shape
     token_ids = jnp.clip(token_ids, 0, cfg.vocab_size - 1).astype(jnp.int32)
     n_new = n_new.astype(jnp.int32)
@@ -103,7 +129,8 @@ def tail_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.A
     seq_len = start + n_new
     if row_floor is not None:
         row_floor = jnp.broadcast_to(jnp.asarray(row_floor, jnp.int32), (B,))
-    row_ids = _engram_rows(params, state, token_ids, token_map)
+    row_ids = transformer_v41.engram_inputs(params, _engram_rows(params, state, token_ids,
+                                                                  token_map))
     groups = layer_groups(cfg)
     players = as_stack(groups, params["layers"])
     slayers = as_stack(groups, state.layers)
@@ -115,9 +142,18 @@ def tail_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.A
     carry = (streams, initial_pending((B, S), cfg.hc_mult),
              empty_shared(cfg, B, S, streams.dtype, capacity=state.max_len))
     for i in range(l0):
-        carry, ls = transformer_v41.layer_chunk(players[i], slayers[i], carry, i, kinds[i],
+        kind = kinds[i]
+        if i in tap_set:                      # "pre": the input after the Engram update
+            streams, pending, shared = carry
+            streams = transformer_v41.maybe_engram(players[i], streams, i, kind, token_ids,
+                                                   row_ids, cfg)
+            carry, kind = (streams, pending, shared), transformer_v41.without_engram(kind)
+            tapped[i] = streams
+        carry, ls = transformer_v41.layer_chunk(players[i], slayers[i], carry, i, kind,
                                                 token_ids, row_ids, start, n_new, cfg,
                                                 row_floor=row_floor)
+        if i in tap_set and tap == "post":
+            tapped[i] = carry[0]
         new_layers.append(ls)
     streams, pending, shared = carry
 
@@ -130,48 +166,56 @@ def tail_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.A
 
     # 3. the tail: the last min(tail, n_new) rows of each sequence
     St = min(tail, S)
-    n_tail = jnp.minimum(n_new, tail)
-    first = n_new - n_tail
-    cols = jnp.clip(first[:, None] + jnp.arange(St, dtype=jnp.int32)[None], 0, S - 1)
-    take = lambda a: jnp.take_along_axis(a, cols.reshape(cols.shape + (1,) * (a.ndim - 2)),
-                                         axis=1)
+    first, n_tail, cols = tail_columns(n_new, S, tail)
+    take = functools.partial(take_columns, cols=cols)
+    tapped = {i: take(f) for i, f in tapped.items()}      # early taps: at the tail rows
     ids_t = take(token_ids)
     fresh = empty_shared(cfg, B, St, streams.dtype, capacity=state.max_len)
     carry = (take(streams), take(pending), {**fresh, "latents": shared["latents"]})
     floor = jnp.maximum(seq_len - tail, 0)
-    for i in range(l0, cfg.num_hidden_layers):
+    for i in range(l0, cfg.num_hidden_layers):           # no Engram here (late_layer_start)
+        if i in tap_set and tap == "pre":
+            tapped[i] = carry[0]
         carry, ls = transformer_v41.layer_chunk(
             players[i], ls if i == l0 else slayers[i], carry, i, kinds[i], ids_t, None,
             start + first, n_tail, cfg, row_floor=seq_len, window_floor=floor)
+        if i in tap_set and tap == "post":
+            tapped[i] = carry[0]
         new_layers.append(ls)
     streams, pending, _ = carry
 
     tokens = ring_write(state.token_ring, pos, token_ids, valid)
     new_state = V41DecodeState(LayerStack.from_layers(groups, new_layers), tokens, seq_len,
                                state.max_len, state.window_slots)
+    extra = () if taps is None else (streams, jnp.stack(
+        [tapped[i].mean(axis=2) for i in taps], axis=2) if taps else
+        jnp.zeros(streams.shape[:2] + (0, streams.shape[-1]), streams.dtype))
     # 4. head on the tail rows
     if all_logits:
-        return transformer_v41.head_logits(params, streams, pending), new_state
+        return (transformer_v41.head_logits(params, streams, pending), new_state) + extra
     last = jnp.clip(n_tail - 1, 0, St - 1)
     pick = lambda a: jnp.take_along_axis(a, last.reshape((B, 1) + (1,) * (a.ndim - 2)), axis=1)
-    return transformer_v41.head_logits(params, pick(streams), pick(pending))[:, 0], new_state
+    return (transformer_v41.head_logits(params, pick(streams), pick(pending))[:, 0],
+            new_state) + extra
 
 
 def extend(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array, *,
            decoder_swa_bounded_replay: bool = True, tail: int | None = None,
-           all_logits: bool = False, row_floor=None, token_map=None):
+           all_logits: bool = False, row_floor=None, token_map=None,
+           taps: tuple[int, ...] | None = None, tap: str = "pre"):
     """A non-speculative extend (prefill chunk) of a V4.1 state: with decoder SWA bounded
     replay (default; tail rows B_t = tail, default sliding_window) or, disabled, every layer on
     every row. Returns (logits, new state); all_logits: logits of the tail rows [B, St, V]
-    (`tail_chunk`) resp. of every row [B, S, V]."""
+    (`tail_chunk`) resp. of every row [B, S, V]. taps: (logits, new state, streams, features)
+    of the tail rows resp. of every row [B, S, ...]."""
     if decoder_swa_bounded_replay:
         tail = params.config.sliding_window if tail is None else tail
         return tail_chunk(params, state, token_ids, n_new, tail=tail, all_logits=all_logits,
-                          row_floor=row_floor, token_map=token_map)
-    logits, new_state, _ = transformer_v41.forward_chunk(
+                          row_floor=row_floor, token_map=token_map, taps=taps, tap=tap)
+    out = transformer_v41.forward_chunk(
         params, state, token_ids, n_new, all_logits=all_logits, token_map=token_map,
-        row_floor=row_floor)
-    return logits, new_state
+        row_floor=row_floor, taps=taps, tap=tap)
+    return out[:2] if taps is None else out
 
 
 # ----------------------------------------------------------------- measured on one sequence
