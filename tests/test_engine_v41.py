@@ -46,11 +46,11 @@ def tokens(seed, n):
     return np.random.default_rng(seed).integers(3, CFG.image_token_id, n).tolist()
 
 
-def generate_reference(prompts, temperature, seed, **kw):
+def generate_reference(prompts, temperature, seed, decoder_swa_bounded_replay=False, **kw):
     """`di.generate` on the prompts (one padded [4, 64] batch, so every call shares its
     programs; kw: e.g. speculative=): per prompt (tokens, logprobs) of N_NEW new tokens.
-    Decoder bounded replay off (every layer on every row), as the engines compared with it.
-    Every generate call of this file is this one."""
+    Decoder bounded replay off by default (every layer on every row), as most engines compared
+    with it. Every generate call of this file is this one."""
     B = len(prompts)
     assert B <= 4 and max(map(len, prompts)) <= 64
     rows = list(prompts) + [prompts[0]] * (4 - B)
@@ -60,7 +60,8 @@ def generate_reference(prompts, temperature, seed, **kw):
     pad = lambda v: np.array(list(v) + [v[0]] * (4 - B))
     out = di.generate(params(), toks, lengths=np.array([len(p) for p in rows]),
                       max_new_tokens=N_NEW, temperature=pad(temperature), seed=pad(seed),
-                      return_logprobs=True, decoder_swa_bounded_replay=False, **kw)
+                      return_logprobs=True,
+                      decoder_swa_bounded_replay=decoder_swa_bounded_replay, **kw)
     t, lp = np.asarray(out.tokens), np.asarray(out.logprobs)
     return [(t[i].tolist(), lp[i]) for i in range(B)]
 
@@ -96,6 +97,10 @@ def test_bad_input_names_the_flag():
         engine(speculative="mtp")
     assert Engine(v4, progress=False, max_len=64).decoder_swa_bounded_replay is False
     assert engine().decoder_swa_bounded_replay is True
+    # speculative V4.1 engines: on by default, True accepted, False disables
+    for flag, want in ((None, True), (True, True), (False, False)):
+        eng = engine(speculative="dspark", decoder_swa_bounded_replay=flag)
+        assert eng.decoder_swa_bounded_replay is want and eng.gamma == CFG.dspark_block_size
 
 
 def test_paged_layout_and_bytes_per_page():
@@ -213,11 +218,12 @@ def spec_prompts():
 
 @pytest.mark.heavy
 def test_speculative_dspark_engine_equals_generate_speculative():
-    """speculative="dspark" on V4.1 (the params' own mtp stages, `dspark_v41`): tokens and
-    logprobs == generate(speculative="dspark") per request (same per-request keys); greedy
-    rows == plain greedy generate (lossless)."""
+    """speculative="dspark" on V4.1 (the params' own mtp stages, `dspark_v41`), decoder
+    bounded replay off (a 37-token prompt in two chunks): tokens and logprobs ==
+    generate(speculative="dspark") per request (same per-request keys); greedy rows == plain
+    greedy generate (lossless)."""
     prompts = spec_prompts()
-    eng = engine(speculative="dspark", decode_steps=2)
+    eng = engine(speculative="dspark", decode_steps=2, decoder_swa_bounded_replay=False)
     assert eng.decoder_swa_bounded_replay is False and eng.gamma == CFG.dspark_block_size
     outs = eng.generate([Request(p, max_new_tokens=N_NEW, temperature=t, seed=s)
                          for p, t, s in zip(prompts, SPEC_TEMPS, SPEC_SEEDS)])
@@ -229,6 +235,50 @@ def test_speculative_dspark_engine_equals_generate_speculative():
         if SPEC_TEMPS[i] == 0.0:
             assert out.tokens == plain[i][0]
     assert eng.last_run.spec_row_steps > 0
+
+
+@pytest.mark.heavy
+def test_speculative_dspark_engine_with_decoder_bounded_replay():
+    """speculative="dspark" with decoder bounded replay on (the V4.1 default): prompts that
+    both prefill in one chunk (<= 32 tokens: the same W-row tail, the drafter fed its rows)
+    give tokens and logprobs == generate(speculative="dspark") with it on; greedy rows ==
+    plain greedy generate with it on (verify chunks run every row). The long prompts' tail is
+    below the exact bound, so they differ from the exact prefill."""
+    prompts = [tokens(s, n) for s, n in ((44, 30), (45, 13), (46, 32), (47, 27))]
+    eng = engine(speculative="dspark", decode_steps=2)
+    assert eng.decoder_swa_bounded_replay is True
+    outs = eng.generate([Request(p, max_new_tokens=N_NEW, temperature=t, seed=s)
+                         for p, t, s in zip(prompts, SPEC_TEMPS, SPEC_SEEDS)])
+    on = dict(decoder_swa_bounded_replay=True)
+    want = generate_reference(prompts, SPEC_TEMPS, SPEC_SEEDS, speculative="dspark", **on)
+    plain = generate_reference(prompts, SPEC_TEMPS, SPEC_SEEDS, **on)
+    exact = generate_reference(prompts, SPEC_TEMPS, SPEC_SEEDS, speculative="dspark")
+    for i, (out, (toks, lp)) in enumerate(zip(outs, want)):
+        assert out.tokens == toks
+        np.testing.assert_allclose(out.logprobs, lp, atol=TOL)
+        if SPEC_TEMPS[i] == 0.0:
+            assert out.tokens == plain[i][0]
+    assert np.abs(np.array(outs[0].logprobs) - exact[0][1]).max() > 10 * TOL
+    assert eng.last_run.spec_row_steps > 0
+
+
+@pytest.mark.heavy
+def test_speculative_prefix_hit_with_decoder_bounded_replay():
+    """A speculative engine, bounded replay on, R = 4 < W: the hit re-prefills the last W
+    matched tokens through the speculative prefill (drafter fed the tail); greedy tokens and
+    logprobs == `replay_v41.replay_logits(replay=W, tail=W)` (lossless verification)."""
+    system = tokens(33, 48)
+    a, b = system + tokens(34, 5), system + tokens(35, 10)
+    eng = engine(speculative="dspark", replay_tokens=4)
+    eng.generate([a], max_new_tokens=2)
+    out, = eng.generate([b], max_new_tokens=N_NEW)
+    hit = out.metrics.cached_tokens
+    assert hit == 48 and out.metrics.replayed_tokens == W, out.metrics
+    assert eng.last_run.spec_row_steps > 0
+    seq = b + out.tokens
+    ref = replay_v41.replay_logits(params(), seq, hit, W, tail=W, chunk=CHUNK,
+                                   decode_from=len(b), max_len=MAX_LEN)
+    check_against_logits(out, ref[len(b) - 1 - hit:len(b) - 1 - hit + N_NEW])
 
 
 @pytest.mark.heavy

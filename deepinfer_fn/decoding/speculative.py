@@ -52,7 +52,7 @@ def spec_prefill_chunk(params: Params, weights, state: DecodeState, dstate, chun
     """A target prefill chunk [B,c] (with the drafter's taps), then `drafter.prefill` over it;
     next_ids [B,c]: the token after each position, known for the first n_next [B] of them.
     bounded_replay (V4.1): the chunk is a decoder-bounded-replay extend and the drafter gets
-    its tail rows (`replay_v41.tail_columns`): positions start + first .. start + n_new - 1.
+    its tail rows (`replay_v41.tail_extend`): positions start + first .. start + n_new - 1.
     Returns (last-token logits [B,V], state, dstate)."""
     start = state.lengths
     if not bounded_replay:
@@ -61,14 +61,10 @@ def spec_prefill_chunk(params: Params, weights, state: DecodeState, dstate, chun
         dstate = drafter.prefill(params, weights, dstate, start, feats, chunk, n_new, next_ids,
                                  n_next)
         return logits, state, dstate
-    taps = {"taps": (), **drafter.taps(weights)}     # () -> features [B, St, 0, D]
-    logits, state, feats = target_features(replay_v41.extend(
-        params, state, chunk, n_new, decoder_swa_bounded_replay=True, **taps))
-    first, n_tail, cols = replay_v41.tail_columns(n_new, chunk.shape[1],
-                                                  params.config.sliding_window)
-    take = lambda a: replay_v41.take_columns(a, cols)
-    dstate = drafter.prefill(params, weights, dstate, start + first, feats, take(chunk), n_tail,
-                             take(next_ids), jnp.clip(n_next - first, 0, None))
+    *out, (at, ids, n_tail, nxt, n_nxt) = replay_v41.tail_extend(
+        params, state, chunk, n_new, next_ids, n_next, **drafter.taps(weights))
+    logits, state, feats = target_features(out)
+    dstate = drafter.prefill(params, weights, dstate, at, feats, ids, n_tail, nxt, n_nxt)
     return logits, state, dstate
 
 

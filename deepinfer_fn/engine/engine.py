@@ -121,10 +121,12 @@ Engram's n-gram history) and the pools the kv sources' latents and index keys (1
 by default). A prefix-cache hit keeps the cached latents / index keys below h and rebuilds the
 rings (token ring included) by replaying from h - R (rounded down to an even position: code-2
 pairs; R >= engram_max_ngram_size - 1 is required), as `model.replay_v41.replay_logits`.
-Decoder SWA bounded replay (`decoder_swa_bounded_replay`, default on for V4.1 plain engines,
-refused for V4 and speculative engines): every prefill extend runs `replay_v41.extend`, the late
-layers (from the last kv source) and the head on the last sliding_window rows of the chunk only;
-decode steps run every row. Outputs then depend on the prefill chunking (what
+Decoder SWA bounded replay (`decoder_swa_bounded_replay`, default on for V4.1 engines, plain and
+speculative, refused for V4): every prefill extend runs `replay_v41.extend`, the late layers
+(from the last kv source) and the head on the last sliding_window rows of the chunk only;
+decode steps and speculative verify chunks run every row. A speculative prefill sub-step's
+drafter sees the chunk's tail rows (`replay_v41.tail_extend`, as generate's speculative
+prefill), all its window context holds. Outputs then depend on the prefill chunking (what
 `replay_v41.prefill_logits` with the same chunks computes). Since late-layer window KV exists
 only for past tails, a hit then re-prefills at least the last sliding_window matched tokens
 (replay span max(R, W), a tail-mode extend from h - that span, latents below h kept).
@@ -320,8 +322,8 @@ class Engine:
     docstring, "Speculative decoding".
 
     decoder_swa_bounded_replay: V4.1 decoder SWA bounded replay on prefill extends (module
-    docstring); None = on for a plain V4.1 engine, off otherwise; True needs a V4.1 model and no
-    speculative decoding.
+    docstring); None = on for a V4.1 engine (plain or speculative) whose layers allow it, off
+    otherwise; True needs a V4.1 model.
     """
 
     def __init__(self, params: Params | bundle.Model, *, max_batch: int = 16, max_tokens_per_step: int = 512,
@@ -401,7 +403,7 @@ class Engine:
                              f"{gamma + 1} (a speculative decode row verifies up to 1 + γ tokens)")
         if gamma:       # rejected drafts must not overwrite live ring entries (state.py)
             window_slots = max(window_slots or 0, cfg.sliding_window + gamma)
-        bounded = self._check_bounded_replay(cfg, decoder_swa_bounded_replay, gamma)
+        bounded = self._check_bounded_replay(cfg, decoder_swa_bounded_replay)
         if replay_tokens is not None and not cfg.is_v41 and replay_tokens < cfg.csa_ratio:
             raise ArgumentError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
                              f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
@@ -464,20 +466,16 @@ class Engine:
         self.last_run = RunMetrics()
 
     @staticmethod
-    def _check_bounded_replay(cfg, flag, gamma) -> bool:
-        """decoder_swa_bounded_replay: None = on for a plain V4.1 engine whose layers allow a
-        late-stack tail (`replay_v41.late_layer_start`), off for V4 and speculative engines
-        (their prefill taps every row for the drafter); True needs a V4.1 model."""
+    def _check_bounded_replay(cfg, flag) -> bool:
+        """decoder_swa_bounded_replay: None = on for a V4.1 engine (plain or speculative) whose
+        layers allow a late-stack tail (`replay_v41.late_layer_start`), off for V4; True needs
+        a V4.1 model."""
         if flag is not None:
             boolean("Engine", "decoder_swa_bounded_replay", flag)
         if flag and not cfg.is_v41:
             raise ArgumentError(f"Engine: decoder_swa_bounded_replay=True needs a DeepSeek-V4.1 "
                                 f"model (cfg.is_v41), got model_type={cfg.model_type!r}")
-        if flag and gamma:
-            raise ArgumentError("Engine: decoder_swa_bounded_replay=True with speculative "
-                                "decoding is not supported (a speculative prefill taps every "
-                                "row for the drafter)")
-        if flag is False or not cfg.is_v41 or gamma:
+        if flag is False or not cfg.is_v41:
             return False
         try:
             late_layer_start(cfg)
@@ -904,11 +902,12 @@ class Engine:
                        dict(drafter=self._kind, k=self.gamma, verify_len=verify_len,
                             steps=self.scheduler.decode_steps))
         return Job(spec_prefill_packed, (self.params, self.drafter, self.state, packed),
-                   dict(drafter=self._kind, k=self.gamma))
+                   dict(drafter=self._kind, k=self.gamma, **self._tail_arg(False)))
 
     def _tail_arg(self, is_decode: bool) -> dict:
-        """The `tail` keyword of a plain sub-step: V4.1 decoder SWA bounded replay on prefill
-        sub-batches (none for decode, nor when off: the V4 programs unchanged)."""
+        """The `tail` keyword of a prefill sub-step (plain or speculative): V4.1 decoder SWA
+        bounded replay on prefill sub-batches (none for decode, nor when off: the V4 programs
+        unchanged)."""
         return {} if is_decode or self._tail is None else {"tail": self._tail}
 
     def _decode(self, packed):
@@ -928,7 +927,7 @@ class Engine:
     def _spec_prefill(self, packed):
         """A speculative prefill sub-batch (`spec_step.spec_prefill_packed`): (state, out)."""
         return spec_prefill_packed(self.params, self.drafter, self.state, packed,
-                                   drafter=self._kind, k=self.gamma)
+                                   drafter=self._kind, k=self.gamma, **self._tail_arg(False))
 
     def warmup(self, threads: int | None = None) -> float:
         """Compiles every sub-step shape (prefill and decode buckets) in parallel threads

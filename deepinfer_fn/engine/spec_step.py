@@ -22,10 +22,12 @@ Rows with left = 0 (and padding rows) are inactive: nothing is written, n_emit =
 
 `spec_prefill_packed`: a prefill sub-batch (the plain sub-step's forward and sampling) that
 also runs `Drafter.prefill` over the chunk (only the chunk is known: a drafter keeps what needs
-the next token pending); a fresh slot's drafter state starts empty. On a row's final chunk
-(SPEC_COLUMNS init = 1) it initialises the slot's speculative counters: length = end of the
-chunk, left / step from the host, anchor = the sampled token (or the resume anchor the host
-passes after a preemption).
+the next token pending); a fresh slot's drafter state starts empty. With V4.1's decoder SWA
+bounded replay (`tail`, static) the forward is `replay_v41.extend` and the drafter sees the
+chunk's tail rows only, as in `generate` (`replay_v41.tail_extend`); verify chunks always run
+every layer on every row. On a row's final chunk (SPEC_COLUMNS init = 1) it initialises the
+slot's speculative counters: length = end of the chunk, left / step from the host, anchor =
+the sampled token (or the resume anchor the host passes after a preemption).
 
 On a mesh every read and write of `spec` and `last_token` is shard-local (`step.take_slots` /
 `put_slots`), like the rings: the spec state is split by slot over the batch shards.
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 from deepinfer_fn.engine.paged_state import PagedState
 from deepinfer_fn.engine.step import (gather_state, put_slots, sample_rows, scatter_state,
                                       take_slots, unpack, unpack_sampling)
-from deepinfer_fn.model import transformer
+from deepinfer_fn.model import replay_v41, transformer
 from deepinfer_fn.speculative.drafter import Drafter, target_features
 from deepinfer_fn.speculative.loop import VerifyLen, profile_args, speculative_step
 
@@ -80,10 +82,30 @@ def _scatter_drafter(tree, new, slot):
 # --- prefill --------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "k"), donate_argnums=(2,))
-def spec_prefill_packed(params, weights, state: PagedState, packed, *, drafter: Drafter, k: int):
+def _target_prefill(params, weights, tstate, toks, n_new, row_floor, *, drafter: Drafter,
+                    tail: int | None):
+    """The target's forward over a prefill chunk toks [B, S] with the drafter's taps: (logits
+    [B, V], new target state, `Features`, the drafter's prefill view (lengths, ids, n_new) of
+    it). tail (V4.1): a decoder-bounded-replay extend, the view its tail rows
+    (`replay_v41.tail_extend`, as generate's prefill); None: every layer on every row, the
+    view the whole chunk."""
+    start = tstate.lengths
+    if tail is None:
+        logits, new, feats = target_features(transformer.forward_chunk(
+            params, tstate, toks, n_new, row_floor=row_floor, **drafter.taps(weights)))
+        return logits, new, feats, (start, toks, n_new)
+    *out, (at, ids, n_tail, _, _) = replay_v41.tail_extend(
+        params, tstate, toks, n_new, tail=tail, row_floor=row_floor, **drafter.taps(weights))
+    logits, new, feats = target_features(out)
+    return logits, new, feats, (at, ids, n_tail)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "k", "tail"), donate_argnums=(2,))
+def spec_prefill_packed(params, weights, state: PagedState, packed, *, drafter: Drafter, k: int,
+                        tail: int | None = None):
     """A prefill sub-batch of a speculative engine (module docstring). packed as
-    `step.substep_packed` (with the prefill tokens); weights: the drafter's (or None). Returns
+    `step.substep_packed` (with the prefill tokens); weights: the drafter's (or None); tail:
+    V4.1 decoder SWA bounded replay with that many tail rows (`_target_prefill`). Returns
     (state, out int32 [B, 2] = (sampled token, logprob f32 bits))."""
     meta, fparams, bt, toks = unpack(packed, state.max_pages)
     sc = packed[:, 10:14]
@@ -91,13 +113,13 @@ def spec_prefill_packed(params, weights, state: PagedState, packed, *, drafter: 
     sp = dict(state.spec)
     tstate = gather_state(state, slot, start, fresh, bt,
                           pad_id=params.config.engram_pad_token_id)
-    logits, new, feats = target_features(transformer.forward_chunk(
-        params, tstate, toks, n_new, row_floor=row_floor, **drafter.taps(weights)))
+    logits, new, feats, (at, ids, n_seen) = _target_prefill(
+        params, weights, tstate, toks, n_new, row_floor, drafter=drafter, tail=tail)
     empty = drafter.init_state(params, weights, slot.shape[0], state.max_len,
                                window_slots=state.window_slots, k=k, dtype=params.dtype)
     ds = jax.tree.map(lambda e, x: _where_rows(fresh > 0, e, x), empty,
                       _gather_drafter(sp["drafter"], slot))
-    ds = drafter.prefill(params, weights, ds, start, feats, toks, n_new, None, None)
+    ds = drafter.prefill(params, weights, ds, at, feats, ids, n_seen, None, None)
     sp["drafter"] = _scatter_drafter(sp["drafter"], ds, slot)
     state = scatter_state(state, new, slot, bt, start, n_new, row_floor, toks.shape[1])
     sampled, logp = sample_rows(logits, unpack_sampling(meta, fparams), start + n_new)

@@ -14,6 +14,9 @@ l0 = max(kv_source_layer_ids). One extend of n rows ending at seq_len:
   4. final collapse, norm and head on the tail rows.
 
 Decode steps and verify chunks run every layer on every row (`transformer_v41.forward_chunk`).
+A speculative prefill (`generate` and the engine) runs `tail_extend`: the drafter's prefill
+gets the tail rows' features and their positions / ids (`tail_inputs`), all that its
+window-wide context holds.
 A late layer's output at row x of a B-row tail ending at S is exact for x >= S - B + l (W - 1)
 (l = 1 for layer l0, 2 for the next, ...): the last prompt row is exact when
 B >= L (W - 1) + 1 (L late layers), a teacher-forced decode after the tail from
@@ -95,6 +98,22 @@ def tail_columns(n_new: jax.Array, width: int, tail: int):
 def take_columns(a: jax.Array, cols: jax.Array) -> jax.Array:
     """a [B, S, ...] at the columns cols [B, St] -> [B, St, ...]."""
     return jnp.take_along_axis(a, cols.reshape(cols.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+def tail_inputs(start: jax.Array, token_ids: jax.Array, n_new: jax.Array, next_ids=None,
+                n_next=None, *, tail: int):
+    """What a drafter's prefill sees of a bounded-replay extend (`tail_chunk` with `tail`
+    rows): the chunk's tail rows only. start [B]: the state length before the chunk;
+    token_ids [B, S] with n_new [B] valid; next_ids [B, S] / n_next [B]: the token after each
+    of the chunk's first n_next positions, or None (unknown). Returns (lengths [B] = start +
+    first, the tail's first position; ids int32 [B, St]; n_tail [B]; the tail's next ids
+    [B, St] and n_next [B], or None, None), St = min(tail, S) as `tail_columns`."""
+    first, n_tail, cols = tail_columns(n_new, token_ids.shape[1], tail)
+    ids = take_columns(token_ids, cols)
+    if next_ids is None:
+        return start + first, ids, n_tail, None, None
+    return (start + first, ids, n_tail, take_columns(next_ids, cols),
+            jnp.clip(n_next - first, 0, None))
 
 
 def tail_chunk(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array, *,
@@ -216,6 +235,20 @@ def extend(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array
         params, state, token_ids, n_new, all_logits=all_logits, token_map=token_map,
         row_floor=row_floor, taps=taps, tap=tap)
     return out[:2] if taps is None else out
+
+
+def tail_extend(params, state: V41DecodeState, token_ids: jax.Array, n_new: jax.Array,
+                next_ids=None, n_next=None, *, tail: int | None = None, row_floor=None,
+                taps: tuple[int, ...] = (), tap: str = "pre"):
+    """A bounded-replay extend (`tail_chunk`, tail default sliding_window) as a drafter's
+    prefill reads it (speculative prefill in `generate` and the engine): (logits [B, V], new
+    state, streams [B, St, n, D], features [B, St, len(taps), D] of the tail rows, view) with
+    view = `tail_inputs(state.lengths, token_ids, n_new, next_ids, n_next)`, the tail's
+    positions, ids and next ids that the features belong to."""
+    tail = params.config.sliding_window if tail is None else tail
+    out = extend(params, state, token_ids, n_new, tail=tail, row_floor=row_floor, taps=taps,
+                 tap=tap)
+    return out + (tail_inputs(state.lengths, token_ids, n_new, next_ids, n_next, tail=tail),)
 
 
 # ----------------------------------------------------------------- measured on one sequence
