@@ -168,7 +168,7 @@ from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_
 from deepinfer_fn.engine.step import (decode_steps_packed, forward_packed, sample_packed,
                                       substep_packed)
 from deepinfer_fn.engine import transfer
-from deepinfer_fn.model.replay_v41 import late_layer_start
+from deepinfer_fn.decoding.checks import check_bounded_replay
 from deepinfer_fn import bundle
 from deepinfer_fn.params import Params, count_params
 from deepinfer_fn.speculative import registry
@@ -403,7 +403,7 @@ class Engine:
                              f"{gamma + 1} (a speculative decode row verifies up to 1 + γ tokens)")
         if gamma:       # rejected drafts must not overwrite live ring entries (state.py)
             window_slots = max(window_slots or 0, cfg.sliding_window + gamma)
-        bounded = self._check_bounded_replay(cfg, decoder_swa_bounded_replay)
+        bounded = check_bounded_replay(cfg, decoder_swa_bounded_replay, "Engine")
         if replay_tokens is not None and not cfg.is_v41 and replay_tokens < cfg.csa_ratio:
             raise ArgumentError(f"replay_tokens={replay_tokens} must be >= the CSA ratio "
                              f"{cfg.csa_ratio} (the first row after a hit pools the window before it)")
@@ -464,26 +464,6 @@ class Engine:
         self._ended_ids: set = set()        # ids of requests of ended runs (cancel: no-op)
         self._shapes_seen: set = set()
         self.last_run = RunMetrics()
-
-    @staticmethod
-    def _check_bounded_replay(cfg, flag) -> bool:
-        """decoder_swa_bounded_replay: None = on for a V4.1 engine (plain or speculative) whose
-        layers allow a late-stack tail (`replay_v41.late_layer_start`), off for V4; True needs
-        a V4.1 model."""
-        if flag is not None:
-            boolean("Engine", "decoder_swa_bounded_replay", flag)
-        if flag and not cfg.is_v41:
-            raise ArgumentError(f"Engine: decoder_swa_bounded_replay=True needs a DeepSeek-V4.1 "
-                                f"model (cfg.is_v41), got model_type={cfg.model_type!r}")
-        if flag is False or not cfg.is_v41:
-            return False
-        try:
-            late_layer_start(cfg)
-        except ValueError as e:
-            if flag:
-                raise ArgumentError(f"Engine: decoder_swa_bounded_replay: {e}") from None
-            return False
-        return True
 
     @staticmethod
     def _check_widths(widths, gamma):
