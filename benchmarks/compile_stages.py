@@ -9,6 +9,7 @@ seconds (default 170) so a run stopped by a time limit still says which stage it
     LAYERS=compressed_sparse_attention:moe python benchmarks/compile_stages.py
         # a one-layer model of the default model's sizes (attention type:mlp type, comma list)
     PART=mhc ITERS=20 python benchmarks/compile_stages.py            # one mHC pre + post alone
+    SINKHORN=scalar_barrier python benchmarks/compile_stages.py      # a Sinkhorn variant (below)
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1 python benchmarks/compile_stages.py
         # XLA logs every HLO pass with its time: the last pass started is the one that stalls
 
@@ -18,6 +19,7 @@ Findings on the H200 are in benchmarks/results/compile_stages_h200.json.
 import dataclasses
 import faulthandler
 import os
+import re
 import time
 
 faulthandler.dump_traceback_later(float(os.environ.get("DUMP_AFTER", "170")), exit=False)
@@ -37,6 +39,10 @@ def main() -> None:
     from deepinfer_fn.model import transformer
     from deepinfer_fn.state import init_state
     log("deepinfer_fn imported")
+    if os.environ.get("SINKHORN"):
+        from deepinfer_fn.model import mhc_math
+        mhc_math.sinkhorn = SINKHORNS[os.environ["SINKHORN"]](jax, jnp, mhc_math.sinkhorn)
+        log(f"sinkhorn variant {os.environ['SINKHORN']}")
     if os.environ.get("PRESET"):
         params = di.init_params(di.ModelConfig.preset(os.environ["PRESET"]), jax.random.key(0),
                                 dtype=jnp.bfloat16)
@@ -65,9 +71,34 @@ def main() -> None:
     lowered = fwd.lower(params, state, ids, n_new)
     log("lowered")
     compiled = lowered.compile()
-    log("compiled")
-    jax.block_until_ready(compiled(params, state, ids, n_new))
-    log("ran")
+    log(f"compiled; launched ops {launched_ops(compiled.as_text())}")
+    for _ in range(3):
+        _, state = compiled(params, state, ids, n_new)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    for _ in range(20):
+        _, state = compiled(params, state, ids, n_new)
+    jax.block_until_ready(state)
+    log(f"ran; step {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
+
+
+def launched_ops(hlo_text: str) -> dict:
+    """Fusions, custom calls and other thunk-like ops outside fused computations of a compiled
+    module's text (a rough count of kernels per call)."""
+    counts: dict = {}
+    inside_fused = False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" "):
+            inside_fused = "fused" in line.split("(")[0] or "region" in line.split("(")[0]
+            continue
+        if inside_fused or " = " not in line:
+            continue
+        found = re.search(r"(?:^|[\s}\])])([a-z][a-z0-9-]*)\(", line.split(" = ", 1)[1])
+        op = found.group(1) if found else "?"
+        if op in ("fusion", "custom-call", "while", "conditional", "all-to-all", "copy", "gather",
+                  "scatter", "sort", "dot", "reduce"):
+            counts[op] = counts.get(op, 0) + 1
+    return counts
 
 
 def mhc_only(jax, jnp, params, iters: int) -> None:
@@ -85,8 +116,82 @@ def mhc_only(jax, jnp, params, iters: int) -> None:
         return kernels.mhc_post(streams, h, post, comb)
     lowered = jax.jit(f).lower(streams, hc, lp["attn_norm"])
     log(f"lowered mhc (iters={iters})")
-    lowered.compile()
-    log("compiled")
+    compiled = lowered.compile()
+    log(f"compiled; launched ops {launched_ops(compiled.as_text())}")
+
+
+def _unrolled_barrier(jax, jnp, reference):
+    return lambda logits, iters, eps: jax.lax.optimization_barrier(reference(logits, iters, eps))
+
+
+def _scalar(jax, jnp, reference, barrier=False):
+    """The n x n Sinkhorn on n*n separate [...] arrays: elementwise ops only, one index."""
+    def sinkhorn(logits, iters, eps):
+        n = logits.shape[-1]
+        x = [[logits[..., j, k] for k in range(n)] for j in range(n)]
+
+        def total(vals):
+            out = vals[0]
+            for v in vals[1:]:
+                out = out + v
+            return out
+        p = []
+        for row in x:
+            m = row[0]
+            for v in row[1:]:
+                m = jnp.maximum(m, v)
+            e = [jnp.exp(v - m) for v in row]
+            s = total(e)
+            p.append([v / s + eps for v in e])
+
+        def columns(p):
+            c = [total([p[j][k] for j in range(n)]) + eps for k in range(n)]
+            return [[p[j][k] / c[k] for k in range(n)] for j in range(n)]
+
+        def rows(p):
+            return [[v / (total(row) + eps) for v in row] for row in p]
+        p = columns(p)
+        for _ in range(iters - 1):
+            p = columns(rows(p))
+        out = jnp.stack([jnp.stack(row, -1) for row in p], -2)
+        return jax.lax.optimization_barrier(out) if barrier else out
+    return sinkhorn
+
+
+def _loop(jax, jnp, reference):
+    def sinkhorn(logits, iters, eps):
+        p = jax.nn.softmax(logits, axis=-1) + eps
+        p = p / (p.sum(axis=-2, keepdims=True) + eps)
+
+        def step(_, p):
+            p = p / (p.sum(axis=-1, keepdims=True) + eps)
+            return p / (p.sum(axis=-2, keepdims=True) + eps)
+        return jax.lax.fori_loop(0, iters - 1, step, p)
+    return sinkhorn
+
+
+def _chunked(jax, jnp, reference, every=5):
+    """Unrolled with a barrier after every `every` iterations."""
+    def sinkhorn(logits, iters, eps):
+        p = jax.nn.softmax(logits, axis=-1) + eps
+        p = p / (p.sum(axis=-2, keepdims=True) + eps)
+        for i in range(iters - 1):
+            p = p / (p.sum(axis=-1, keepdims=True) + eps)
+            p = p / (p.sum(axis=-2, keepdims=True) + eps)
+            if (i + 1) % every == 0 or i == iters - 2:
+                p = jax.lax.optimization_barrier(p)
+        return p
+    return sinkhorn
+
+
+SINKHORNS = {
+    "barrier": _unrolled_barrier,
+    "chunk5": _chunked,
+    "chunk10": lambda jax, jnp, ref: _chunked(jax, jnp, ref, every=10),
+    "scalar": _scalar,
+    "scalar_barrier": lambda jax, jnp, ref: _scalar(jax, jnp, ref, barrier=True),
+    "loop": _loop,
+}
 
 
 if __name__ == "__main__":

@@ -53,7 +53,11 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
 
     # Unrolled: as a loop, each of the 19 iterations would be separate tiny kernels (and, on
     # GPU, a host round trip for the loop condition) in every mHC module of every step.
-    return jax.lax.fori_loop(0, iters - 1, step, p, unroll=True)
+    p = jax.lax.fori_loop(0, iters - 1, step, p, unroll=True)
+    # The barrier materialises P: XLA:GPU's priority fusion would otherwise fuse the unrolled
+    # chain into every consumer of P ([N, n, D] expand), recomputing it per element, and the
+    # fusion pass itself runs for minutes. With it, the Sinkhorn is a few kernels of its own.
+    return jax.lax.optimization_barrier(p)
 
 
 def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float):
