@@ -195,6 +195,16 @@ def test_mhc_against_numpy():
     np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-6)
 
 
+def test_sinkhorn_output_is_a_fusion_barrier():
+    """P leaves the Sinkhorn through an optimization barrier: without it XLA:GPU's priority
+    fusion fuses the unrolled chain into the expand and the compile takes minutes."""
+    logits = jnp.zeros((3, 4, 4), jnp.float32)
+    text = jax.jit(lambda m: mhc.sinkhorn(m, 20, 1e-6)).lower(logits).as_text()
+    assert "optimization_barrier" in text
+    np.testing.assert_allclose(mhc.sinkhorn(logits, 20, 1e-6), np.full((3, 4, 4), 0.25),
+                               rtol=1e-5)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_compressor_pooling_against_loops(overlap):
     rng = np.random.default_rng(2)
