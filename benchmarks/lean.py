@@ -28,14 +28,14 @@ rewritten after every section, then the plot (`benchmarks/plot_lean.py`).
   on-device `x + 1` measured in the same process. V4.1 (`v41_decode_bytes`): dense weights,
   touched experts, the Engram rows of the step's n-grams (never whole tables) and the state
   the algorithm reads (selected rows, scored keys); `dense_roofline_ratio` against what the
-  program's dense masked attention reads. V4.1 arms (`--engram-stores`): Engram tables on the
+  program reads (index_topk gathered row slots, scores over every key of the capacity). V4.1 arms (`--engram-stores`): Engram tables on the
   device, and in host memory (at the target points; `host_engram_params`, a row with an error
   where this build cannot read host tables).
 * prefill (`--presets`): one `forward_chunk` of 1 x 4096 and 8 x 512 tokens on an empty
   state, against the bf16 peak of a large matmul loop measured in the same process; FLOPs
   counted from the config (`prefill_flops`: matmuls and attention, docs/MODEL.md §2.5-§2.9;
   V4.1 §V1.3, §V2: `v41_token_matmul_flops`, `v41_attention_flops`; `dense_peak_ratio`
-  counts the dense attention the program runs instead, `v41_dense_attention_flops`).
+  counts what the program computes instead, `v41_dense_attention_flops`).
 * kernels: `hlo_count` of the compiled decode step (total, per layer, per category, per
   source file), reused from the compile section when that ran.
 * peer: transformers `DeepseekV4ForCausalLM` (eager, bf16, random weights) on the same `mini`
@@ -311,9 +311,10 @@ def v41_state_read(cfg, context: int, capacity: int, itemsize: int = 2) -> dict:
     "read" (the algorithm's): per layer the window ring (W slots of d, positions int32); at
     code c > 0 the selected rows (`v41_selected_rows` of d); at an index source its
     scored keys (`v41_scored_keys` of d_I); at a code-2 kv source one pending kappa / gate
-    entry; the token ring (int32). "dense_read" (what the XLA program reads: one masked
-    softmax over every row of the state's capacity, scores over every key): the selected
-    rows and scored keys replaced by capacity // c rows / keys."""
+    entry; the token ring (int32). "dense_read" (what the XLA program reads: index_topk
+    gathered row slots per query, selected or not, and scores over every key of the
+    state's capacity): the selected rows replaced by min(index_topk, capacity // c) rows,
+    the scored keys by capacity // c keys."""
     from deepinfer_fn.state import token_slots
     d, dI, W = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     read = dense = 0
@@ -324,7 +325,7 @@ def v41_state_read(cfg, context: int, capacity: int, itemsize: int = 2) -> dict:
             continue
         rows, cap = context // code, max(capacity // code, 1)
         read += int(v41_selected_rows(cfg, selector, rows)) * d * itemsize
-        dense += cap * d * itemsize
+        dense += min(cfg.index_topk, cap) * d * itemsize
         if index:
             read += int(v41_scored_keys(cfg, role, rows)) * dI * itemsize
             dense += cap * dI * itemsize
@@ -433,8 +434,9 @@ def v41_dense_attention_flops(cfg, tokens: int, capacity: int, window_slots: int
                               ) -> dict:
     """What the XLA program computes for one chunk of `tokens` queries against a state of
     `capacity` tokens (`model.cached_v41`): every query scores the ring slots and the chunk's
-    own keys, and at code c > 0 every one of the capacity // c rows (one masked softmax);
-    each index source scores every one of its kv source's capacity // c keys."""
+    own keys, and at code c > 0 min(index_topk, capacity // c) gathered row slots (one
+    softmax with the window); each index source scores every one of its kv source's
+    capacity // c keys."""
     H, d, HI, dI = cfg.num_attention_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
     slots = window_slots or cfg.sliding_window
     core = index = 0
@@ -442,7 +444,7 @@ def v41_dense_attention_flops(cfg, tokens: int, capacity: int, window_slots: int
         keys = slots + tokens
         if code:
             cap = max(capacity // code, 1)
-            keys += cap
+            keys += min(cfg.index_topk, cap)
             if is_index:
                 index += 2 * HI * dI * tokens * cap
         core += 4 * H * d * tokens * keys

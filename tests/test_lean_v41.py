@@ -69,8 +69,8 @@ def test_engram_rows_are_those_the_step_hashes():
 
 def test_state_bytes_against_the_state_arrays():
     """"state_resident" is every byte of the abstract state; "state_dense" (per row) the
-    layer's window arrays + its kv source's rows (+ keys at index sources) + one pending
-    entry at code-2 sources + the token ring, read from the arrays themselves."""
+    layer's window arrays + index_topk of its kv source's rows (+ keys at index sources) +
+    one pending entry at code-2 sources + the token ring, read from the arrays themselves."""
     cfg, B, ctx, cap = TINY, 2, 40, 64
     w = lean.abstract_weights(cfg, jnp.bfloat16)
     st = lean.abstract_state(cfg, B, cap, jnp.bfloat16)
@@ -83,7 +83,8 @@ def test_state_bytes_against_the_state_arrays():
         src = cfg.kv_source_of(i)
         if src is None:
             continue
-        dense += nbytes(st.layers[src]["rows"])
+        rows = st.layers[src]["rows"]                      # [B, R, d]: index_topk slots read
+        dense += nbytes(rows) * min(cfg.index_topk, rows.shape[1]) // rows.shape[1]
         if i in cfg.index_source_layer_ids:
             dense += nbytes(st.layers[src]["keys"])
         if i == src and "pend_kv" in ls:

@@ -394,6 +394,20 @@ def test_candidate_prefilter_vs_brute_force(code):
             np.testing.assert_array_equal(chosen, full)     # covering every row: a no-op
 
 
+@pytest.mark.parametrize("n_rows,k", [(37, 8), (5, 8), (16, 16)])
+def test_selected_rows_are_the_masks_indices(n_rows, k):
+    """The cached attention's row_idx: the mask's True rows in order, then -1."""
+    rng = np.random.default_rng(n_rows)
+    mask = np.zeros((2, 3, n_rows), bool)
+    for row in mask.reshape(-1, n_rows):
+        row[rng.choice(n_rows, rng.integers(0, min(k, n_rows) + 1), replace=False)] = True
+    got = np.asarray(selection.selected_rows(jnp.asarray(mask), k))
+    assert got.shape == (2, 3, min(k, n_rows))
+    for g, m in zip(got.reshape(-1, got.shape[-1]), mask.reshape(-1, n_rows)):
+        want = np.flatnonzero(m).tolist()
+        assert g.tolist() == want + [-1] * (len(g) - len(want))
+
+
 # -------------------------------------------------------------------------- latents vs loops
 def test_pair_pooling_and_visibility_vs_numpy_loop(params):
     cp = f64(params["layers"][2]["attn"]["compressor"])

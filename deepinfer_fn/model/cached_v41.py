@@ -22,6 +22,7 @@ from deepinfer_fn.model.attention import kv_projection, output_projection
 from deepinfer_fn.model.attention_v41 import query, roles_of, select
 from deepinfer_fn.model.common import rms_norm
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
+from deepinfer_fn.model.selection import selected_rows
 
 NEG_INF = -jnp.inf
 
@@ -131,9 +132,13 @@ def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Arra
                                             code: {"rows": src["rows"], "keys": src["keys"]}}}
         if "index_source" in roles:
             shared = select(p, c_q, x, pos, cos, sin, code, roles, shared, cfg)
-        rows = shared["latents"][code]["rows"]
-        keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=1)
-        ok = jnp.concatenate([ok, shared["selected"][code]], axis=-1)
     bias = jnp.where(ok, 0.0, NEG_INF).astype(jnp.float32)
-    o = kernels.attention(q, keys, bias, p["sinks"])
+    if code:
+        # Only the selected rows are read (at most index_topk per query), not the whole
+        # buffer: the same softmax over window, selected rows and sink (§2.8).
+        rows = shared["latents"][code]["rows"].astype(keys.dtype)
+        row_idx = selected_rows(shared["selected"][code], cfg.index_topk)
+        o = kernels.sparse_attention(q, keys, bias, rows, row_idx, p["sinks"])
+    else:
+        o = kernels.attention(q, keys, bias, p["sinks"])
     return output_projection(p, o, cos, sin, cfg), new_ls, shared

@@ -74,3 +74,17 @@ def candidate_top_k(row_scores: jax.Array, visible: jax.Array, blocks: jax.Array
     """A consumer's selection: the top min(k, #candidates) visible rows inside the published
     blocks, bool [B, T, N]."""
     return select_top_k(row_scores, within_blocks(visible, blocks, block), k)
+
+
+def selected_rows(chosen: jax.Array, k: int) -> jax.Array:
+    """The indices of a selection mask: chosen bool [B, T, N] (at most k per query) -> int32
+    [B, T, min(k, N)] in increasing row order, -1 past the last selected row (the row_idx of
+    `kernels.sparse_attention`)."""
+    B, T, N = chosen.shape
+    k = min(k, N)
+    slot = jnp.cumsum(chosen, axis=-1, dtype=jnp.int32) - 1
+    slot = jnp.where(chosen & (slot < k), slot, k)             # out of range: dropped
+    b = jnp.arange(B)[:, None, None]
+    t = jnp.arange(T)[None, :, None]
+    rows = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), chosen.shape)
+    return jnp.full((B, T, k), -1, jnp.int32).at[b, t, slot].set(rows, mode="drop")
