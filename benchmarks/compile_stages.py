@@ -13,6 +13,7 @@ seconds (default 170) so a run stopped by a time limit still says which stage it
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1 python benchmarks/compile_stages.py
         # XLA logs every HLO pass with its time: the last pass started is the one that stalls
 
+`benchmarks/compile_bisect.sh` runs sets of these variants at once in one device call.
 Findings on the H200 are in benchmarks/results/compile_stages_h200.json.
 """
 
