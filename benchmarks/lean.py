@@ -29,9 +29,10 @@ rewritten after every section, then the plot (`benchmarks/plot_lean.py`).
   on-device `x + 1` measured in the same process. V4.1 (`v41_decode_bytes`): dense weights,
   touched experts, the Engram rows of the step's n-grams (never whole tables) and the state
   the algorithm reads (selected rows, scored keys); `dense_roofline_ratio` against what the
-  program reads (index_topk gathered row slots, scores over every key of the capacity). V4.1 arms (`--engram-stores`): Engram tables on the
-  device, and in host memory (at the target points; `host_engram_params`, a row with an error
-  where this build cannot read host tables).
+  program reads (index_topk gathered row slots, scores over every key of the capacity).
+  V4.1 arms (`--engram-stores`): Engram tables on the device, and in host memory (at the
+  target points; `host_engram_params`, a row with an error where this build cannot read host
+  tables).
 * prefill (`--presets`): one `forward_chunk` of 1 x 4096 and 8 x 512 tokens on an empty
   state, against the bf16 peak of a large matmul loop measured in the same process; FLOPs
   counted from the config (`prefill_flops`: matmuls and attention, docs/MODEL.md §2.5-§2.9;
@@ -814,6 +815,9 @@ def decode_arms(p: dict, cfg, batch: int, context: int) -> tuple[str | None, ...
     return tuple(a for a in p["engram_stores"] if a == "device" or target)
 
 
+TIMING_MARGIN_S = 5.0      # left before the worker's deadline to time a compiled point
+
+
 def compile_in_threads(jobs, threads: int):
     """jobs: [(key, lowered)] -> {key: Future of (compiled, compile seconds)}: XLA compiles
     of different programs on a thread pool (the compile releases the GIL), so a section
@@ -837,7 +841,9 @@ def compile_threads() -> int:
 def worker_decode(args, p, frag: Fragment):
     """One preset's decode points (`--model`): bandwidth, then every point and arm lowered on
     abstract states and compiled in parallel threads (`compile_in_threads`), then timed one
-    after another in priority order (the targets first) as their compiles finish."""
+    after another in priority order (the targets first) as their compiles finish. Later
+    points may still be compiling on the host while one is timed; the timed program is one
+    device-side loop of `steps` steps, so that costs it no device time."""
     jax = _setup_jax(cache=True)
     import jax.numpy as jnp
     import deepinfer_fn as di
@@ -880,7 +886,7 @@ def worker_decode(args, p, frag: Fragment):
         if key in failed:
             frag.add("decode", name=name, **label, error=failed[key])
             continue
-        left = deadline - time.time() - 2 * reps * 0.05 - 5
+        left = deadline - time.time() - TIMING_MARGIN_S
         try:
             compiled, compile_s = futures[key].result(timeout=max(left, 0.01))
         except TimeoutError:
@@ -955,7 +961,7 @@ def worker_prefill(args, p, frag: Fragment):
             frag.add("prefill", name=name, **label, error=failed[(batch, tokens)])
             continue
         try:
-            left = args.deadline - time.time() - 5
+            left = args.deadline - time.time() - TIMING_MARGIN_S
             compiled, compile_s = futures[(batch, tokens)].result(timeout=max(left, 0.01))
         except TimeoutError:
             frag.add("prefill", name=name, **label,

@@ -401,6 +401,7 @@ def test_selected_rows_are_the_masks_indices(n_rows, k):
     mask = np.zeros((2, 3, n_rows), bool)
     for row in mask.reshape(-1, n_rows):
         row[rng.choice(n_rows, rng.integers(0, min(k, n_rows) + 1), replace=False)] = True
+    assert mask.sum() > 0                                  # the rows above wrote into it
     got = np.asarray(selection.selected_rows(jnp.asarray(mask), k))
     assert got.shape == (2, 3, min(k, n_rows))
     for g, m in zip(got.reshape(-1, got.shape[-1]), mask.reshape(-1, n_rows)):
