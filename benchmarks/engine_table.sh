@@ -2,7 +2,8 @@
 # Engine vs generate on one GPU in one call: one process per (concurrency, arm) compiles in
 # parallel (GPU compiles are slow), then they time one after another behind file barriers, so
 # no two processes time at once. Each writes OUTDIR/<name>.json (benchmarks/engine_vs_generate.py).
-#   [MODEL=default] [LIMIT=560] [LIMIT_DSPARK=400] bash benchmarks/engine_table.sh OUTDIR
+#   [MODEL=default] [LIMIT=560] [LIMIT_DSPARK=400] [ARMS="plain16 plain60 dspark16 dspark60"]
+#   [ENGINE_STEPS=8,8f,1] bash benchmarks/engine_table.sh OUTDIR
 # (a process still compiling at its limit is killed and releases the others' barriers)
 set -u
 out=${1:?usage: engine_table.sh OUTDIR}
@@ -15,6 +16,8 @@ lim=${LIMIT:-560}
 lim_dspark=${LIMIT_DSPARK:-400}
 names=(plain16 plain60 dspark16 dspark60)
 [ "$model" = default ] || names=(plain16 plain60)
+[ -n "${ARMS:-}" ] && read -r -a names <<< "$ARMS"
+esteps=(); [ -n "${ENGINE_STEPS:-}" ] && esteps=(--engine-steps "$ENGINE_STEPS")
 compiled=(); for n in "${names[@]}"; do compiled+=("$bar/c_$n"); done
 prev=""
 for n in "${names[@]}"; do
@@ -22,7 +25,7 @@ for n in "${names[@]}"; do
   waits=("${compiled[@]}"); [ -n "$prev" ] && waits+=("$bar/d_$prev")
   l=$lim; [ "$arm" = dspark ] && l=$lim_dspark
   ( timeout "$l" $py benchmarks/engine_vs_generate.py --model "$model" --concurrency "$N" \
-      --arms "$arm" --compiled-file "$bar/c_$n" --wait-for "${waits[@]}" \
+      --arms "$arm" "${esteps[@]}" --compiled-file "$bar/c_$n" --wait-for "${waits[@]}" \
       --done-file "$bar/d_$n" --out "$out/${model}_$n.json" > "$out/${model}_$n.log" 2>&1
     echo "$n exited $?" >> "$out/status.txt"; touch "$bar/c_$n" "$bar/d_$n" ) &
   prev=$n

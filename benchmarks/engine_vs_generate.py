@@ -6,7 +6,8 @@ the engine runs them all with max_batch = N (a prefill sub-batch of N rows, deco
 prefix cache off), so both do the same prefills and decode steps. Compilation is excluded
 (`generate` is called once before timing, `Engine.warmup()` compiles every shape). Arms:
 
-  plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call)
+  plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call);
+           `--engine-steps 8,8f,1`: "Kf" adds decode_loop="fixed"
   dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); default
            model only (the `mini` preset has no trained drafter)
 
@@ -68,12 +69,14 @@ def generate_arm(params, rows, N, new, spec_kw):
     return lambda: np.concatenate([call(b) for b in batches])
 
 
-def engine_for(params, rows, N, new, steps, spec_kw):
-    """An Engine for the work (every shape compiled, host caches warm)."""
+def engine_for(params, rows, N, new, steps: str, spec_kw):
+    """An Engine for the work (every shape compiled, host caches warm). steps: "K"
+    (decode_steps K) or "Kf" (and decode_loop "fixed")."""
     P = rows.shape[1]
     eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=((N, P),),
                  decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
-                 decode_steps=steps, **spec_kw)
+                 decode_steps=int(steps.rstrip("f")),
+                 decode_loop="fixed" if steps.endswith("f") else "dynamic", **spec_kw)
     eng.warmup()
     eng.generate(requests(rows[:N], new))
     return eng
@@ -120,14 +123,15 @@ def main():
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: N = 4, 8 new tokens")
     ap.add_argument("--engine-steps", default=None,
-                    help="plain arm: comma list of decode_steps engines (default: K,1)")
+                    help="plain arm: comma list of decode_steps engines, 'Kf' with "
+                         "decode_loop='fixed' (default: K,1)")
     ap.add_argument("--compiled-file", default=None, help="touched once everything compiled")
     ap.add_argument("--wait-for", nargs="*", default=[], help="files to wait for before timing")
     ap.add_argument("--done-file", default=None, help="touched after timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.engine_steps = tuple(dict.fromkeys(
-        int(x) for x in (args.engine_steps or f"{args.decode_steps},1").split(",")))
+        x.strip() for x in (args.engine_steps or f"{args.decode_steps},1").split(",")))
     if args.quick:
         args.concurrency, args.new, args.repeats, args.prompt_len = "4", 8, 1, 32
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -152,7 +156,7 @@ def main():
                            params.config.vocab_size)
             for arm in arms:
                 spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
-                steps = (args.decode_steps,) if arm == "dspark" else args.engine_steps
+                steps = (str(args.decode_steps),) if arm == "dspark" else args.engine_steps
                 yield N, arm, rows, spec_kw, steps
 
     def compiled(item):

@@ -415,3 +415,68 @@ def test_scalar_sampling_fast_path_agrees_with_check_sampling():
             check_sampling(1, *v)               # raises if the fast path was wrong
     assert accepted > 100
     assert scalar_sampling_ok(0.0, 0, 1.0, 0.0, 0) and scalar_sampling_ok(0.7, 40, 0.9, 0.05, 123)
+
+
+def test_speculative_decode_steps_follow_measured_tokens_per_step():
+    """While a request waits for a slot, a speculative call runs until the first running row is
+    expected to reach max_new_tokens: (tokens left) / tau steps, tau = the tokens per step
+    measured so far (γ + 1 before any), capped at decode_steps; plain rows: tokens left."""
+    from deepinfer_fn.engine.scheduler import Scheduler, Seq
+
+    def waiting_scheduler(spec_width):
+        sched = Scheduler(max_batch=1, max_tokens_per_step=64, prefill_shapes=((1, 16),),
+                          page_size=4, max_pages=16, pages=PageAllocator(40), cache=None,
+                          replay_tokens=None, spec_width=spec_width, decode_steps=8)
+        for i in range(2):
+            r = Request(list(range(2, 10)), max_new_tokens=40, request_id=i)
+            sched.add(Seq(r, i, list(r.tokens), frozenset(), 0.0))
+        sched.schedule()                        # admits the first (one slot), prefills it
+        (seq,) = sched.running
+        seq.pos, seq.in_flight = len(seq.ext), 0    # its prefill done; the other one waits
+        assert sched.waiting and not sched.free_slots
+        return sched, seq
+
+    sched, seq = waiting_scheduler(6)
+    assert sched.spec_tokens_per_step() == 6.0
+    assert sched.plan_decode_steps() == 7        # ceil(40 / 6)
+    sched.spec_row_steps, sched.spec_committed = 10, 20       # tau = 2
+    assert sched.spec_tokens_per_step() == 2.0
+    assert sched.plan_decode_steps() == 8        # ceil(40 / 2) = 20, capped
+    seq.generated = [5] * 34                     # 6 left: 3 steps at tau 2
+    assert sched.plan_decode_steps() == 3
+    seq.in_flight = 1                            # one step in flight is expected to commit 2
+    assert sched.plan_decode_steps() == 2        # ceil((6 - 1 + 1 - 2) / 2)
+    sched.spec_row_steps, sched.spec_committed = 10, 0        # tau is never below 1
+    assert sched.spec_tokens_per_step() == 1.0
+    plain, pseq = waiting_scheduler(0)
+    assert plain.spec_tokens_per_step() == 1.0 and plain.plan_decode_steps() == 8
+    pseq.generated = [5] * 35
+    assert plain.plan_decode_steps() == 5
+
+
+def test_fixed_trip_counts():
+    from deepinfer_fn.engine.step import fixed_trip_counts
+    assert fixed_trip_counts(1) == (1,)
+    assert fixed_trip_counts(8) == (1, 2, 4, 8)
+    assert fixed_trip_counts(6) == (1, 2, 4, 6)
+    assert fixed_trip_counts(9) == (1, 2, 4, 8, 9)
+
+
+@pytest.mark.heavy
+def test_fixed_decode_loop_equals_generate():
+    """decode_loop="fixed" (loops of known trip count, rows past their step count masked):
+    with requests waiting for slots the calls run 1..8 steps (counts 1, 2, 4, 8 compiled), and
+    every request's tokens, greedy and sampled, equal generate()'s."""
+    prompts = prompts_long()
+    temps, seeds = [0.0, 1.0, 0.0, 0.9, 0.0, 0.7], [0, 5, 0, 8, 0, 2]
+    new = [10, 7, 9, 3, 8, 6]            # generate() here makes N_NEW = 10
+    want = reference(prompts, temps, seeds)
+    eng = engine(max_tokens_per_step=512, decode_steps=8, decode_loop="fixed", max_batch=2,
+                 decode_buckets=(2,), prefill_shapes=((1, 32),))
+    outs = eng.generate([Request(list(p), max_new_tokens=n, temperature=t, seed=s)
+                         for p, t, s, n in zip(prompts, temps, seeds, new)])
+    assert [o.tokens for o in outs] == [w[:n] for w, n in zip(want, new)]
+    m = eng.last_run
+    assert m.decode_calls < sum(new) - len(new) and m.mean_decode_steps > 1.5, m
+    with pytest.raises(di.ArgumentError, match="decode_loop"):
+        engine(decode_loop="static")

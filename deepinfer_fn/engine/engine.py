@@ -165,7 +165,8 @@ from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan,
                                             buckets_up_to)
 from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_decode_packed,
                                            spec_prefill_packed)
-from deepinfer_fn.engine.step import (decode_steps_packed, forward_packed, sample_packed,
+from deepinfer_fn.engine.step import (decode_steps_packed, fixed_trip_counts, forward_packed,
+                                      sample_packed,
                                       substep_packed)
 from deepinfer_fn.engine import transfer
 from deepinfer_fn.decoding.checks import check_bounded_replay
@@ -198,7 +199,7 @@ class RunMetrics:
     prompt positions not computed thanks to the prefix cache (hits minus replay);
     prefill_flops_saved ~ 2 x active parameters x saved tokens (matmul FLOPs; attention
     scores excluded). Idle figures only with Engine(measure_idle=True): device idle between
-    consecutive steps = max(0, dispatch of step s+1 - completion of step s), summed over steps
+    consecutive steps = max(0, start of issuing step s+1 - completion of step s), summed over steps
     whose shapes were already compiled; idle_fraction = that idle time / (idle + device busy
     time of those steps)."""
 
@@ -250,7 +251,7 @@ class _RunIds:
 
 class _IdleWatcher:
     """Records when each dispatched step's outputs become ready (a background thread), next to
-    when the step's first device call was issued."""
+    when the host began issuing the step's device calls."""
 
     def __init__(self):
         self.q: queue.Queue = queue.Queue()
@@ -302,7 +303,12 @@ class Engine:
     counts to compile (default powers of two up to max_batch). Every shape is one compiled
     sub-step (`warmup()` compiles them all up front).
     prefix_cache, replay_tokens (None = exact mode): module docstring; decode_steps: the most
-    decode steps one device call runs (module docstring); async_scheduling: on by
+    decode steps one device call runs (module docstring); decode_loop: "dynamic" (a plain
+    multi-step call loops max(n_b) times: one compiled program per decode bucket) or "fixed"
+    (it loops a fixed count, the smallest of `step.fixed_trip_counts(decode_steps)` >= max(n_b),
+    rows past their n_b masked: a loop of known trip count, which XLA:GPU issues without a
+    host read per iteration, so the call returns at once; one program per count and bucket);
+    async_scheduling: on by
     default; progress: a tqdm bar; measure_idle: record device idle time between steps;
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
     the defaults of `tokenizer=` and `drafter=`.
@@ -335,6 +341,7 @@ class Engine:
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
                  verify_cost=None, verify_widths=None, decode_steps: int = 8,
+                 decode_loop: str = "dynamic",
                  decoder_swa_bounded_replay: bool | None = None):
         params, drafter, tokenizer = bundle.unpack(params, speculative=speculative,
                                                    drafter=drafter, tokenizer=tokenizer,
@@ -360,6 +367,8 @@ class Engine:
                                 f"{n} batch shards (dp x ep)")
         if replay_tokens is not None:
             non_negative_int("Engine", "replay_tokens", replay_tokens)
+        one_of("Engine", "decode_loop", decode_loop, ("dynamic", "fixed"))
+        self.decode_loop = decode_loop
         for name, v in (("prefix_cache", prefix_cache), ("async_scheduling", async_scheduling),
                         ("progress", progress), ("measure_idle", measure_idle)):
             boolean("Engine", name, v)
@@ -722,7 +731,8 @@ class Engine:
 
     def _dispatch(self, plan: StepPlan, watcher):
         """Packs both sub-batches (one int32 buffer each), then issues them back to back (no
-        host work between the two device calls). Nothing here waits for the device. A
+        host work between the two device calls). Nothing here waits for the device's results
+        (on XLA:GPU the call of a program with a device loop returns when the loop ends). A
         sub-batch that samples for a constrained row is issued as its forward only (entry
         [rows, None, packed, logits]; `_sample_constrained` completes it)."""
         sched = self.scheduler
@@ -737,7 +747,9 @@ class Engine:
             compiled |= shape not in self._shapes_seen
             self._shapes_seen.add(shape)
             calls.append((plan.decode, sched.pack(plan.decode, *shape), True))
-        outs, t_issue = [], None
+        # the device may idle from here at most: on XLA:GPU a call whose program loops on
+        # a device-side condition (several decode steps) returns only when the loop ends
+        outs, t_issue = [], time.perf_counter()
         for rows, packed, is_decode in calls:
             with self._on_mesh():
                 dev = self._to_device(packed)
@@ -752,13 +764,12 @@ class Engine:
                                                         **self._tail_arg(is_decode))
                     outs.append([rows, None, packed, logits])
                 elif is_decode and self.scheduler.decode_steps > 1:
-                    self.state, out = self._decode(dev)
+                    self.state, out = self._decode(dev, plan.decode_steps)
                     outs.append([rows, out, None, None, "multi"])
                 else:
                     self.state, out = substep_packed(self.params, self.state, dev,
                                                      **self._tail_arg(is_decode))
                     outs.append([rows, out, None, None])
-            t_issue = t_issue or time.perf_counter()
         for entry in outs:
             if entry[1] is not None:
                 entry[1].copy_to_host_async()   # ready on the host as soon as the step finishes
@@ -866,13 +877,23 @@ class Engine:
             m.all_accepted_tokens_per_s = rows * (1 + self.gamma) / wall if wall > 0 else nan
             m.verified_tokens_per_s = (rows + ver) / wall if wall > 0 else nan
 
-    def _substep_job(self, n: int, width: int | None) -> Job:
-        """The jitted call of a sub-step of n rows with prefill tokens of `width` (None:
-        decode) on all-padding inputs, as a precompile job."""
+    def _trip_counts(self) -> tuple[int, ...]:
+        """The loop lengths of the compiled plain multi-step decode programs."""
+        K = self.scheduler.decode_steps
+        return fixed_trip_counts(K) if self.decode_loop == "fixed" else (K,)
+
+    def _substep_jobs(self, n: int, width: int | None) -> list[Job]:
+        """The jitted calls of a sub-step of n rows with prefill tokens of `width` (None:
+        decode) on all-padding inputs, as precompile jobs."""
         packed = self._to_device(self.scheduler.pack([], n, width))
         if not self.gamma and width is None and self.scheduler.decode_steps > 1:
-            return Job(decode_steps_packed, (self.params, self.state, packed),
-                       dict(steps=self.scheduler.decode_steps))
+            return [Job(decode_steps_packed, (self.params, self.state, packed),
+                        dict(steps=t, fixed_trips=self.decode_loop == "fixed"))
+                    for t in self._trip_counts()]
+        return [self._substep_job(n, width, packed)]
+
+    def _substep_job(self, n: int, width: int | None, packed) -> Job:
+        """The precompile job of a sub-step other than a plain multi-step decode."""
         if not self.gamma:
             return Job(substep_packed, (self.params, self.state, packed),
                        self._tail_arg(width is None))
@@ -890,11 +911,12 @@ class Engine:
         unchanged)."""
         return {} if is_decode or self._tail is None else {"tail": self._tail}
 
-    def _decode(self, packed):
-        """A plain decode sub-batch of up to `decode_steps` steps (`step.decode_steps_packed`):
-        (state, out int32 [Db, decode_steps, 2])."""
-        return decode_steps_packed(self.params, self.state, packed,
-                                   steps=self.scheduler.decode_steps)
+    def _decode(self, packed, steps: int):
+        """A plain decode sub-batch of up to `steps` steps (`step.decode_steps_packed`): (state,
+        out int32 [Db, T, 2]), T the smallest compiled loop length >= steps."""
+        T = min(t for t in self._trip_counts() if t >= steps)
+        return decode_steps_packed(self.params, self.state, packed, steps=T,
+                                   fixed_trips=self.decode_loop == "fixed")
 
     def _spec_decode(self, packed):
         """A speculative decode sub-batch of up to `decode_steps` verify steps
@@ -916,12 +938,14 @@ class Engine:
         t0 = time.perf_counter()
         shapes = self.prefill_shapes + tuple((n, None) for n in self.decode_buckets)
         with self._on_mesh():
-            precompile([self._substep_job(n, width) for n, width in shapes], threads)
+            precompile([job for n, width in shapes for job in self._substep_jobs(n, width)],
+                       threads)
         for n, width in shapes:
             with self._on_mesh():
                 packed = self._to_device(self.scheduler.pack([], n, width))
                 if not self.gamma and width is None and self.scheduler.decode_steps > 1:
-                    self.state, _ = self._decode(packed)
+                    for t in self._trip_counts():
+                        self.state, _ = self._decode(packed, t)
                 elif not self.gamma:
                     self.state, _ = substep_packed(self.params, self.state, packed,
                                                    **self._tail_arg(width is None))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import numpy as np
 
@@ -371,8 +372,9 @@ class Scheduler:
         """Decode steps for the next device call (plain engines): `decode_steps` while no
         request is prefilling, none could be admitted now and none is constrained (its mask
         needs each token on the host); while requests wait for a slot, no more steps than
-        until the first running request reaches max_new_tokens (its slot frees then), so a
-        waiting request is delayed by at most `decode_steps` steps."""
+        until the first running request reaches max_new_tokens (its slot frees then; a
+        speculative row is expected to get there at `spec_tokens_per_step` tokens per step),
+        so a waiting request is delayed by at most `decode_steps` steps."""
         K = self.decode_steps
         if K == 1 or (self.waiting and self.free_slots):
             return 1
@@ -380,13 +382,22 @@ class Scheduler:
         if any(s.prefilling or s.matcher is not None for s in live):
             return 1
         if self.waiting:
-            # speculative: a step emits 1..γ+1 tokens, so a row frees its slot after at
-            # least ceil(tokens left / (γ + 1)) more steps
-            w = self.spec_width or 1
-            left = [-(-(self._remaining(s) - (w - 1) * s.in_flight) // w)
+            # speculative: a step emits 1..γ+1 tokens; a row is expected to free its slot
+            # after (tokens left) / tau more steps, tau = tokens per step measured so far
+            tau = self.spec_tokens_per_step()
+            left = [math.ceil((self._remaining(s) + s.in_flight - tau * s.in_flight) / tau)
                     for s in live if s.wants_decode()]
             K = min([K] + left)
         return max(1, K)
+
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a decode row commits per step: 1 (plain), else the speculative steps'
+        mean so far (γ + 1 before any)."""
+        if not self.spec_width:
+            return 1.0
+        if not self.spec_row_steps:
+            return float(self.spec_width)
+        return min(float(self.spec_width), max(1.0, self.spec_committed / self.spec_row_steps))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [])

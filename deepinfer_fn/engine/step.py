@@ -317,14 +317,23 @@ def substep_packed(params, state: PagedState, packed, *, tail: int | None = None
     return state, out
 
 
-@functools.partial(jax.jit, static_argnames=("steps",), donate_argnums=(1,))
-def decode_steps_packed(params, state: PagedState, packed, *, steps: int):
+def fixed_trip_counts(most: int) -> tuple[int, ...]:
+    """The loop lengths of `decode_steps_packed(fixed_trips=True)` an engine compiles: powers
+    of two below `most`, then `most`."""
+    assert most >= 1, most
+    return tuple(sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most}))
+
+
+@functools.partial(jax.jit, static_argnames=("steps", "fixed_trips"), donate_argnums=(1,))
+def decode_steps_packed(params, state: PagedState, packed, *, steps: int,
+                        fixed_trips: bool = False):
     """Up to `steps` decode steps of a sub-batch in ONE device call: packed as a decode
     `substep_packed` (S = 0) whose n_new column holds each row's step count n_b <= steps. Step
     i feeds every row with n_b > i its slot's `last_token` at position start + i, exactly as i
     + 1 consecutive `substep_packed` calls would (same sampling keys); rows with n_b <= i are
     masked out (their slot is dropped from gathers and scatters). The loop runs max(n_b)
-    iterations. Returns (state, out int32 [B, steps, 2] = (token, logprob f32 bits) per step;
+    iterations, or with fixed_trips exactly `steps` (a loop of known trip count: XLA:GPU
+    issues it without reading a condition on the host each iteration). Returns (state, out int32 [B, steps, 2] = (token, logprob f32 bits) per step;
     entries past a row's n_b are zero)."""
     meta, fparams, bt, _ = unpack(packed, state.max_pages)
     assert steps >= 1, steps
@@ -344,6 +353,8 @@ def decode_steps_packed(params, state: PagedState, packed, *, steps: int):
         return state, out
 
     out = jnp.zeros((B, steps, 2), jnp.int32)
+    if fixed_trips:
+        return jax.lax.fori_loop(0, steps, body, (state, out))
     trips = jnp.minimum(jnp.max(n_steps), steps)
     return jax.lax.fori_loop(0, trips, body, (state, out))
 
