@@ -3,7 +3,7 @@
 # parallel (GPU compiles are slow), then they time one after another behind file barriers, so
 # no two processes time at once. Each writes OUTDIR/<name>.json (benchmarks/engine_vs_generate.py).
 #   [MODEL=default] [LIMIT=560] [LIMIT_DSPARK=400] [ARMS="plain16 plain60 dspark16 dspark60"]
-#   [ENGINE_STEPS=8,8f,1] bash benchmarks/engine_table.sh OUTDIR
+#   [ENGINE_STEPS=8d,8f,1] bash benchmarks/engine_table.sh OUTDIR
 # (a process still compiling at its limit is killed and releases the others' barriers)
 set -u
 out=${1:?usage: engine_table.sh OUTDIR}

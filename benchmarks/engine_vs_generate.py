@@ -7,7 +7,7 @@ prefix cache off), so both do the same prefills and decode steps. Compilation is
 (`generate` is called once before timing, `Engine.warmup()` compiles every shape). Arms:
 
   plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call);
-           `--engine-steps 8,8f,1`: "Kf" adds decode_loop="fixed"
+           `--engine-steps 8d,8f,1`: "Kf" / "Kd" add decode_loop="fixed" / "dynamic"
   dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); default
            model only (the `mini` preset has no trained drafter)
 
@@ -71,12 +71,12 @@ def generate_arm(params, rows, N, new, spec_kw):
 
 def engine_for(params, rows, N, new, steps: str, spec_kw):
     """An Engine for the work (every shape compiled, host caches warm). steps: "K"
-    (decode_steps K) or "Kf" (and decode_loop "fixed")."""
+    (decode_steps K, the default decode_loop), "Kf" (decode_loop "fixed") or "Kd" ("dynamic")."""
     P = rows.shape[1]
     eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=((N, P),),
                  decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
-                 decode_steps=int(steps.rstrip("f")),
-                 decode_loop="fixed" if steps.endswith("f") else "dynamic", **spec_kw)
+                 decode_steps=int(steps.rstrip("fd")),
+                 decode_loop={"f": "fixed", "d": "dynamic"}.get(steps[-1]), **spec_kw)
     eng.warmup()
     eng.generate(requests(rows[:N], new))
     return eng
@@ -123,8 +123,8 @@ def main():
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: N = 4, 8 new tokens")
     ap.add_argument("--engine-steps", default=None,
-                    help="plain arm: comma list of decode_steps engines, 'Kf' with "
-                         "decode_loop='fixed' (default: K,1)")
+                    help="comma list of decode_steps engines, 'Kf' / 'Kd' with decode_loop "
+                         "'fixed' / 'dynamic' (default: K,1; dspark leaves 1 out)")
     ap.add_argument("--compiled-file", default=None, help="touched once everything compiled")
     ap.add_argument("--wait-for", nargs="*", default=[], help="files to wait for before timing")
     ap.add_argument("--done-file", default=None, help="touched after timing")
@@ -156,7 +156,9 @@ def main():
                            params.config.vocab_size)
             for arm in arms:
                 spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
-                steps = (str(args.decode_steps),) if arm == "dspark" else args.engine_steps
+                steps = args.engine_steps
+                if arm == "dspark":     # its one-step-per-call engine is left out
+                    steps = tuple(k for k in steps if k.rstrip("fd") != "1")
                 yield N, arm, rows, spec_kw, steps
 
     def compiled(item):

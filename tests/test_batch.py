@@ -228,6 +228,7 @@ def test_stop_sequence_ends_the_response_and_the_engine_request():
     assert r.output.finish_reason == "cancelled" and len(r.output.tokens) < 24
 
 
+@pytest.mark.heavy
 def test_prompts_are_the_chat_format_of_the_messages():
     """Request conversion + V4 encoding == apply_chat on the same messages (thinking, effort)."""
     results, _ = round_trip()

@@ -73,6 +73,7 @@ def test_generate_raw_sampled_quiet_prints_only_the_text():
     assert out == expected_text(raw_ids(PROMPT), **sampling) + "\n"
 
 
+@pytest.mark.heavy
 def test_generate_chat_and_default_output():
     """Chat mode renders the prompt as a user turn (the tokenizer's template); without --quiet
     the raw prompt is echoed and stderr names the model and ends with the summary line."""

@@ -67,7 +67,7 @@ def _backbone_residuals(params, ids, *, tap):
     return jnp.stack([residual[i + shift].mean(2) for i in (0, 2, 3)], 2)
 
 
-@pytest.mark.parametrize("tap", ["pre", "post"])
+@pytest.mark.parametrize("tap", ["pre", pytest.param("post", marks=pytest.mark.heavy)])
 def test_taps_equal_no_cache_residuals(tap):
     """Chunks of 8 (CSA/HCA windows close across chunk borders) vs the no-cache stack."""
     params = di.init_params(CFG, jax.random.key(0))

@@ -460,6 +460,7 @@ def test_fixed_trip_counts():
     assert fixed_trip_counts(8) == (1, 2, 4, 8)
     assert fixed_trip_counts(6) == (1, 2, 4, 6)
     assert fixed_trip_counts(9) == (1, 2, 4, 8, 9)
+    assert engine().decode_loop == "dynamic"     # the default on a CPU ("fixed" on a GPU)
 
 
 @pytest.mark.heavy

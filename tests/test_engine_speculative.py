@@ -332,3 +332,17 @@ def test_multi_step_speculative_decode_equals_generate(method):
         m = eng.last_run
         assert m.mean_decode_steps > 1.5, m
         assert m.spec_row_steps == sum(len(o.metrics.verified) for o in outs)
+
+
+@pytest.mark.heavy
+def test_fixed_decode_loop_speculative_equals_generate():
+    """decode_loop="fixed" in a DSpark engine (verify loops of 1, 2, 4 or 8 steps, rows past
+    their step count masked), two slots for six requests so calls of every length run: each
+    request's tokens equal generate(..., speculative="dspark")'s."""
+    prompts = prompts_long()
+    want, _ = spec_reference("dspark", prompts, TEMPS, SEEDS)
+    eng = engine("dspark", max_tokens_per_step=512, decode_loop="fixed", max_batch=2,
+                 decode_buckets=(2,), prefill_shapes=((1, 32),))
+    outs = eng.generate(requests(prompts, TEMPS, SEEDS))
+    assert [o.tokens for o in outs] == want
+    assert eng.last_run.mean_decode_steps > 1, eng.last_run

@@ -87,6 +87,7 @@ def test_forward_with_host_tables_equals_device_tables(device_params, host_param
     assert (store.gathers - before[0], store.tokens_gathered - before[1]) == (1, ids.size)
 
 
+@pytest.mark.heavy
 def test_prefetched_rows_equal_the_callback_in_chunks(host_params):
     """Two prompt chunks: the callback path (jit) and rows gathered ahead on the host while
     the previous chunk runs (submit / take, no callback) give identical logits, close to the

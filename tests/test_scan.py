@@ -198,6 +198,7 @@ def _first(cfg, n, **kw):
                        mlp_layer_types=cfg.mlp_layer_types[:n], **kw)
 
 
+@pytest.mark.heavy
 def test_decode_step_bytes_do_not_grow():
     """Decode step (state donated) of [SWA, CSA] + R x [HCA, CSA], with a state large enough
     that a copy of it would show. XLA's cost analysis counts a while body once and charges an
@@ -232,6 +233,7 @@ def _compile_seconds(cfg) -> float:
         return time.perf_counter() - t
 
 
+@pytest.mark.heavy
 def test_compile_time_independent_of_depth():
     def cfg_of(n):
         return TINY.replace(num_hidden_layers=n, layer_types=(SWA, CSA) + (HCA, CSA) * (n // 2 - 1),

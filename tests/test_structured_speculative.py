@@ -372,7 +372,8 @@ def test_sampled_speculative_matches_plain_constrained_distribution(model, tok, 
 
 # ---- the embedded default model -------------------------------------------------------------
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.heavy)],
+                         ids=["greedy", "sampled"])
 def test_default_model_outputs_are_valid(default_model, temperature):
     """JSON schemas, regexes and the arithmetic grammar with speculative decoding on the
     trained default model (its MTP drafts accept often); greedy == plain greedy."""
@@ -457,7 +458,7 @@ def test_dspark_invalid_constraint_fails_its_row_alone(model, tok, prompts, draf
     _assert_same(out, alone, rows=(0, 3))
 
 
-@pytest.mark.parametrize("kind", ["json", "grammar"])
+@pytest.mark.parametrize("kind", ["json", pytest.param("grammar", marks=pytest.mark.heavy)])
 def test_dspark_sampled_dynamic_verify_length_is_valid(model, tok, prompts, drafter, kind):
     """Sampled rows with the dynamic verify length (a cost that grows with the columns, so
     ell varies): valid outputs, and ell never passes the grammar-admitted slots."""

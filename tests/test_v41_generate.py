@@ -115,6 +115,7 @@ def test_flag_off_is_the_exact_path(params, prompts, on):
     assert np.abs(np.asarray(off.logprobs[0]) - np.asarray(on.logprobs[0])).max() > 10 * TOL
 
 
+@pytest.mark.heavy
 def test_tail_chunk_taps_follow_the_cone(params, prompts):
     """tail_chunk(taps=) vs forward_chunk(taps=) over one 16-row extend with a W-row tail:
     features at the tail rows, exact for the layers before the late stack (1: an Engram layer;

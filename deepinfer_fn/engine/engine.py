@@ -19,7 +19,11 @@ first running request's max_new_tokens (its slot frees then), so a waiting reque
 most `decode_steps` steps longer than with one step per call. A row that samples a stop token
 inside a block runs to the block's end on the device; the host discards those tokens (as for
 the asynchronous lag below). Tokens are those of one step per call (same positions, same
-counter-based keys); `decode_steps=1` restores one step per call.
+counter-based keys); `decode_steps=1` restores one step per call. On a GPU such a call loops
+a fixed count (`decode_loop="fixed"`: 1, 2, 4, .. or decode_steps, rows past their count
+masked), since XLA:GPU reads a data-dependent loop condition on the host every iteration and
+the call would not return before its loop ends: the host could not prepare the next step
+meanwhile.
 
 Asynchronous scheduling (default): step s is dispatched, then the host reads step s-1's tokens
 and prepares step s+1 while the device runs step s; decode inputs stay on the device
@@ -303,13 +307,14 @@ class Engine:
     counts to compile (default powers of two up to max_batch). Every shape is one compiled
     sub-step (`warmup()` compiles them all up front).
     prefix_cache, replay_tokens (None = exact mode): module docstring; decode_steps: the most
-    decode steps one device call runs (module docstring); decode_loop: "dynamic" (a plain
-    multi-step call loops max(n_b) times: one compiled program per decode bucket) or "fixed"
-    (it loops a fixed count, the smallest of `step.fixed_trip_counts(decode_steps)` >= max(n_b),
-    rows past their n_b masked: a loop of known trip count, which XLA:GPU issues without a
-    host read per iteration, so the call returns at once; one program per count and bucket);
-    async_scheduling: on by
-    default; progress: a tqdm bar; measure_idle: record device idle time between steps;
+    decode steps one device call runs (module docstring); decode_loop: "dynamic" (a
+    multi-step decode call, plain or speculative, loops max(n_b) times: one compiled program
+    per decode bucket) or "fixed" (it loops a fixed count, the smallest of
+    `step.fixed_trip_counts(decode_steps)` >= max(n_b), rows past their n_b masked: a loop of
+    known trip count, which XLA:GPU issues without a host read per iteration, so the call
+    returns at once; one program per count and bucket); default: "fixed" on a GPU, else
+    "dynamic" (on a CPU the masked iterations cost more than the host reads save);
+    async_scheduling: on by default; progress: a tqdm bar; measure_idle: record device idle time between steps;
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
     the defaults of `tokenizer=` and `drafter=`.
     tokenizer: the `text.Tokenizer` constraints compile against (default: the bundle's, else
@@ -341,7 +346,7 @@ class Engine:
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
                  verify_cost=None, verify_widths=None, decode_steps: int = 8,
-                 decode_loop: str = "dynamic",
+                 decode_loop: str | None = None,
                  decoder_swa_bounded_replay: bool | None = None):
         params, drafter, tokenizer = bundle.unpack(params, speculative=speculative,
                                                    drafter=drafter, tokenizer=tokenizer,
@@ -367,6 +372,10 @@ class Engine:
                                 f"{n} batch shards (dp x ep)")
         if replay_tokens is not None:
             non_negative_int("Engine", "replay_tokens", replay_tokens)
+        if decode_loop is None:     # a loop of known trip count is what keeps a GPU busy
+            platform = (self.mesh.devices.flat[0] if self.mesh is not None
+                        else jax.devices()[0]).platform
+            decode_loop = "fixed" if platform in ("gpu", "cuda", "rocm") else "dynamic"
         one_of("Engine", "decode_loop", decode_loop, ("dynamic", "fixed"))
         self.decode_loop = decode_loop
         for name, v in (("prefix_cache", prefix_cache), ("async_scheduling", async_scheduling),
@@ -754,7 +763,7 @@ class Engine:
             with self._on_mesh():
                 dev = self._to_device(packed)
                 if self._spec_on and is_decode:
-                    self.state, out = self._spec_decode(dev)
+                    self.state, out = self._spec_decode(dev, plan.decode_steps)
                     outs.append([rows, out, None, None, "spec"])
                 elif self._spec_on:
                     self.state, out = self._spec_prefill(dev)
@@ -878,7 +887,7 @@ class Engine:
             m.verified_tokens_per_s = (rows + ver) / wall if wall > 0 else nan
 
     def _trip_counts(self) -> tuple[int, ...]:
-        """The loop lengths of the compiled plain multi-step decode programs."""
+        """The loop lengths of the compiled multi-step decode programs."""
         K = self.scheduler.decode_steps
         return fixed_trip_counts(K) if self.decode_loop == "fixed" else (K,)
 
@@ -886,22 +895,23 @@ class Engine:
         """The jitted calls of a sub-step of n rows with prefill tokens of `width` (None:
         decode) on all-padding inputs, as precompile jobs."""
         packed = self._to_device(self.scheduler.pack([], n, width))
+        fixed = self.decode_loop == "fixed"
         if not self.gamma and width is None and self.scheduler.decode_steps > 1:
             return [Job(decode_steps_packed, (self.params, self.state, packed),
-                        dict(steps=t, fixed_trips=self.decode_loop == "fixed"))
-                    for t in self._trip_counts()]
+                        dict(steps=t, fixed_trips=fixed)) for t in self._trip_counts()]
+        if self.gamma and width is None:
+            verify_len, sched = self._verify[n]
+            return [Job(spec_decode_packed, (self.params, self.drafter, self.state, packed,
+                                             sched),
+                        dict(drafter=self._kind, k=self.gamma, verify_len=verify_len, steps=t,
+                             fixed_trips=fixed)) for t in self._trip_counts()]
         return [self._substep_job(n, width, packed)]
 
     def _substep_job(self, n: int, width: int | None, packed) -> Job:
-        """The precompile job of a sub-step other than a plain multi-step decode."""
+        """The precompile job of a prefill sub-step or a plain one-step decode."""
         if not self.gamma:
             return Job(substep_packed, (self.params, self.state, packed),
                        self._tail_arg(width is None))
-        if width is None:
-            verify_len, sched = self._verify[n]
-            return Job(spec_decode_packed, (self.params, self.drafter, self.state, packed, sched),
-                       dict(drafter=self._kind, k=self.gamma, verify_len=verify_len,
-                            steps=self.scheduler.decode_steps))
         return Job(spec_prefill_packed, (self.params, self.drafter, self.state, packed),
                    dict(drafter=self._kind, k=self.gamma, **self._tail_arg(False)))
 
@@ -918,13 +928,15 @@ class Engine:
         return decode_steps_packed(self.params, self.state, packed, steps=T,
                                    fixed_trips=self.decode_loop == "fixed")
 
-    def _spec_decode(self, packed):
-        """A speculative decode sub-batch of up to `decode_steps` verify steps
-        (`spec_step.spec_decode_packed`): (state, out int32 [Db, decode_steps, 2(γ+1) + 4])."""
+    def _spec_decode(self, packed, steps: int):
+        """A speculative decode sub-batch of up to `steps` verify steps
+        (`spec_step.spec_decode_packed`): (state, out int32 [Db, T, 2(γ+1) + 4]), T the
+        smallest compiled loop length >= steps."""
         verify_len, sched = self._verify[packed.shape[0]]
+        T = min(t for t in self._trip_counts() if t >= steps)
         return spec_decode_packed(self.params, self.drafter, self.state, packed, sched,
                                   drafter=self._kind, k=self.gamma, verify_len=verify_len,
-                                  steps=self.scheduler.decode_steps)
+                                  steps=T, fixed_trips=self.decode_loop == "fixed")
 
     def _spec_prefill(self, packed):
         """A speculative prefill sub-batch (`spec_step.spec_prefill_packed`): (state, out)."""
@@ -950,7 +962,8 @@ class Engine:
                     self.state, _ = substep_packed(self.params, self.state, packed,
                                                    **self._tail_arg(width is None))
                 elif width is None:
-                    self.state, _ = self._spec_decode(packed)
+                    for t in self._trip_counts():
+                        self.state, _ = self._spec_decode(packed, t)
                 else:
                     self.state, _ = self._spec_prefill(packed)
             self._shapes_seen.add((n, width))

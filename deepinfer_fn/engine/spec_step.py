@@ -185,16 +185,17 @@ def _spec_decode_step(params, weights, state: PagedState, meta, fparams, bt, sch
     return state, out
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "k", "verify_len", "steps"),
-                   donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnames=("drafter", "k", "verify_len", "steps",
+                                             "fixed_trips"), donate_argnums=(2,))
 def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, drafter: Drafter,
-                       k: int, verify_len: VerifyLen, steps: int = 1):
+                       k: int, verify_len: VerifyLen, steps: int = 1, fixed_trips: bool = False):
     """Up to `steps` speculative decode steps of a sub-batch in one device call (module
     docstring). packed int32 [Db, PACK_HEAD + max_pages] (`Scheduler.pack` of decode rows; its
     n_new column: each row's step count n_b <= steps); weights: the drafter's (or None); sched
     and verify_len: `schedule_args`; k = γ (drafts per step). Step i runs the rows with n_b > i
-    (and budget left). Returns (state, out int32 [Db, steps, 2(k+1) + 4]); entries of steps a
-    row did not run are zero (n_emit = 0)."""
+    (and budget left); the loop runs max(n_b) iterations, or with fixed_trips exactly `steps`
+    (as `step.decode_steps_packed`). Returns (state, out int32 [Db, steps, 2(k+1) + 4]);
+    entries of steps a row did not run are zero (n_emit = 0)."""
     assert steps >= 1, steps
     meta, fparams, bt, _ = unpack(packed, state.max_pages)
     n_steps = meta[:, 2]
@@ -212,4 +213,5 @@ def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, dra
     out = jnp.zeros((meta.shape[0], steps, width), jnp.int32)
     if steps == 1:
         return body(0, (state, out))
-    return jax.lax.fori_loop(0, jnp.minimum(jnp.max(n_steps), steps), body, (state, out))
+    trips = steps if fixed_trips else jnp.minimum(jnp.max(n_steps), steps)
+    return jax.lax.fori_loop(0, trips, body, (state, out))
