@@ -329,34 +329,40 @@ def decode_steps_packed(params, state: PagedState, packed, *, steps: int,
                         fixed_trips: bool = False):
     """Up to `steps` decode steps of a sub-batch in ONE device call: packed as a decode
     `substep_packed` (S = 0) whose n_new column holds each row's step count n_b <= steps. Step
-    i feeds every row with n_b > i its slot's `last_token` at position start + i, exactly as i
-    + 1 consecutive `substep_packed` calls would (same sampling keys); rows with n_b <= i are
-    masked out (their slot is dropped from gathers and scatters). The loop runs max(n_b)
-    iterations, or with fixed_trips exactly `steps` (a loop of known trip count: XLA:GPU
-    issues it without reading a condition on the host each iteration). Returns (state, out int32 [B, steps, 2] = (token, logprob f32 bits) per step;
-    entries past a row's n_b are zero)."""
+    i feeds every row with n_b > i its previous token at position start + i, exactly as i + 1
+    consecutive `substep_packed` calls would (same sampling keys); rows with n_b <= i run with
+    n_new = 0 (state unchanged). The rows' state is gathered once before the loop and
+    scattered once after it. The loop runs max(n_b) iterations, or with fixed_trips exactly
+    `steps` (a loop of known trip count: XLA:GPU issues it without reading a condition on
+    the host each iteration). Returns (state, out int32 [B, steps, 2] = (token, logprob f32
+    bits) per step; entries past a row's n_b are zero)."""
     meta, fparams, bt, _ = unpack(packed, state.max_pages)
     assert steps >= 1, steps
-    n_steps = meta[:, 2]
+    slot, start, row_floor, fresh = meta[:, 0], meta[:, 1], meta[:, 3], meta[:, 4]
+    n_steps = jnp.minimum(meta[:, 2], steps)
     B = meta.shape[0]
+    sampling = unpack_sampling(meta, fparams)
+    # the rows' state is gathered once and scattered once: the loop runs on the contiguous copy
+    dstate = gather_state(state, slot, start, fresh, bt,
+                          pad_id=params.config.engram_pad_token_id)
 
     def body(i, carry):
-        state, out = carry
+        dstate, token, out = carry
         active = i < n_steps
-        m = meta.at[:, 0].set(jnp.where(active, meta[:, 0], state.max_batch))
-        m = m.at[:, 1].add(i).at[:, 2].set(active.astype(jnp.int32))
-        m = m.at[:, 4].set(jnp.where(i == 0, meta[:, 4], 0))
-        state, sampled, logp = _substep(params, state, m, fparams, bt, None, False)
+        logits, dstate, _ = transformer.forward_chunk(params, dstate, token[:, None],
+                                                      active.astype(jnp.int32),
+                                                      row_floor=row_floor)
+        sampled, logp = sample_rows(logits, sampling, start + i + 1)
         step_out = jnp.stack([sampled, jax.lax.bitcast_convert_type(logp, jnp.int32)], axis=1)
         step_out = jnp.where(active[:, None], step_out, 0)
         out = jax.lax.dynamic_update_slice(out, step_out[:, None], (0, i, 0))
-        return state, out
+        return dstate, jnp.where(active, sampled, token), out
 
-    out = jnp.zeros((B, steps, 2), jnp.int32)
-    if fixed_trips:
-        return jax.lax.fori_loop(0, steps, body, (state, out))
-    trips = jnp.minimum(jnp.max(n_steps), steps)
-    return jax.lax.fori_loop(0, trips, body, (state, out))
+    carry = (dstate, take_slots(state.last_token, slot), jnp.zeros((B, steps, 2), jnp.int32))
+    trips = steps if fixed_trips else jnp.max(n_steps)
+    dstate, token, out = jax.lax.fori_loop(0, trips, body, carry)
+    state = scatter_state(state, dstate, slot, bt, start, n_steps, row_floor, steps)
+    return dataclasses.replace(state, last_token=put_slots(state.last_token, slot, token)), out
 
 
 # --- constrained sub-batches (structured output): forward and masked sampling, split ----------
