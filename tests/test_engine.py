@@ -474,9 +474,13 @@ def test_fixed_decode_loop_equals_generate():
     want = reference(prompts, temps, seeds)
     eng = engine(max_tokens_per_step=512, decode_steps=8, decode_loop="fixed", max_batch=2,
                  decode_buckets=(2,), prefill_shapes=((1, 32),))
+    lengths, decode = [], eng._decode
+    eng._decode = lambda packed, steps: (lengths.append(steps), decode(packed, steps))[1]
     outs = eng.generate([Request(list(p), max_new_tokens=n, temperature=t, seed=s)
                          for p, t, s, n in zip(prompts, temps, seeds, new)])
     assert [o.tokens for o in outs] == [w[:n] for w, n in zip(want, new)]
+    loops = {min(t for t in (1, 2, 4, 8) if t >= k) for k in lengths}
+    assert len(loops) >= 2 and 8 in loops, lengths     # several loop lengths ran, masked rows too
     m = eng.last_run
     assert m.decode_calls < sum(new) - len(new) and m.mean_decode_steps > 1.5, m
     with pytest.raises(di.ArgumentError, match="decode_loop"):

@@ -343,6 +343,9 @@ def test_fixed_decode_loop_speculative_equals_generate():
     want, _ = spec_reference("dspark", prompts, TEMPS, SEEDS)
     eng = engine("dspark", max_tokens_per_step=512, decode_loop="fixed", max_batch=2,
                  decode_buckets=(2,), prefill_shapes=((1, 32),))
+    lengths, decode = [], eng._spec_decode
+    eng._spec_decode = lambda packed, steps: (lengths.append(steps), decode(packed, steps))[1]
     outs = eng.generate(requests(prompts, TEMPS, SEEDS))
     assert [o.tokens for o in outs] == want
     assert eng.last_run.mean_decode_steps > 1, eng.last_run
+    assert len({min(t for t in (1, 2, 4, 8) if t >= k) for k in lengths}) >= 2, lengths

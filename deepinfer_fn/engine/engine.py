@@ -170,8 +170,7 @@ from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan,
 from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_decode_packed,
                                            spec_prefill_packed)
 from deepinfer_fn.engine.step import (decode_steps_packed, fixed_trip_counts, forward_packed,
-                                      sample_packed,
-                                      substep_packed)
+                                      sample_packed, substep_packed)
 from deepinfer_fn.engine import transfer
 from deepinfer_fn.decoding.checks import check_bounded_replay
 from deepinfer_fn import bundle
@@ -203,8 +202,8 @@ class RunMetrics:
     prompt positions not computed thanks to the prefix cache (hits minus replay);
     prefill_flops_saved ~ 2 x active parameters x saved tokens (matmul FLOPs; attention
     scores excluded). Idle figures only with Engine(measure_idle=True): device idle between
-    consecutive steps = max(0, start of issuing step s+1 - completion of step s), summed over steps
-    whose shapes were already compiled; idle_fraction = that idle time / (idle + device busy
+    consecutive steps = max(0, start of issuing step s+1 - completion of step s), summed over
+    steps whose shapes were already compiled; idle_fraction = that idle time / (idle + device busy
     time of those steps)."""
 
     requests: int = 0
@@ -314,7 +313,8 @@ class Engine:
     known trip count, which XLA:GPU issues without a host read per iteration, so the call
     returns at once; one program per count and bucket); default: "fixed" on a GPU, else
     "dynamic" (on a CPU the masked iterations cost more than the host reads save);
-    async_scheduling: on by default; progress: a tqdm bar; measure_idle: record device idle time between steps;
+    async_scheduling: on by default; progress: a tqdm bar; measure_idle: record device idle
+    time between steps;
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
     the defaults of `tokenizer=` and `drafter=`.
     tokenizer: the `text.Tokenizer` constraints compile against (default: the bundle's, else
