@@ -2,8 +2,8 @@
 
 Work per concurrency N: 4 N requests of --prompt-len tokens, --new greedy tokens each, no stop
 token. `generate` runs them as 4 batches of N rows (one call each: prefill + its decode loop);
-the engine runs them all with max_batch = N (a prefill sub-batch of N rows, decode bucket N,
-prefix cache off), so both do the same prefills and decode steps. Compilation is excluded
+the engine runs them all with max_batch = N (prefill sub-batches of 1, 4, 16 or N rows, decode
+bucket N, prefix cache off), so both do the same prefills and decode steps. Compilation is excluded
 (`generate` is called once before timing, `Engine.warmup()` compiles every shape). Arms:
 
   plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call);
@@ -71,9 +71,12 @@ def generate_arm(params, rows, N, new, spec_kw):
 
 def engine_for(params, rows, N, new, steps: str, spec_kw):
     """An Engine for the work (every shape compiled, host caches warm). steps: "K"
-    (decode_steps K, the default decode_loop), "Kf" (decode_loop "fixed") or "Kd" ("dynamic")."""
+    (decode_steps K, the default decode_loop), "Kf" (decode_loop "fixed") or "Kd" ("dynamic").
+    Prefill shapes: a ladder of 1, 4, 16 and N rows of the prompt width, so a request admitted
+    alone into a freed slot (speculative rows finish one by one) does not pay an N-row prefill."""
     P = rows.shape[1]
-    eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=((N, P),),
+    ladder = tuple((r, P) for r in sorted({1, 4, 16, N}) if r <= N)
+    eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=ladder,
                  decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
                  decode_steps=int(steps.rstrip("fd")),
                  decode_loop={"f": "fixed", "d": "dynamic"}.get(steps[-1]), **spec_kw)
@@ -144,7 +147,7 @@ def main():
     device = jax.devices()[0].device_kind
     out = dict(device=device, host=platform.node(), model=args.model, dtype=args.dtype,
                prompt_len=args.prompt_len, new=args.new, decode_steps=args.decode_steps,
-               repeats=args.repeats, results=[])
+               repeats=args.repeats, prefill_shape_rows="1,4,16,N", results=[])
     print(f"{device}: model {args.model} ({args.dtype}), prompts {args.prompt_len}, "
           f"{args.new} new tokens, decode_steps {args.decode_steps}", flush=True)
     barriers = bool(args.compiled_file or args.wait_for)
