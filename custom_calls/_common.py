@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import jax
 
@@ -41,6 +42,23 @@ def maybe_interpret(interpret: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         yield
+
+
+def lowered_once(kernel_call, *static_argnames: str):
+    """`kernel_call` (builds and calls one Pallas kernel) as a jitted callee of its static
+    parameters plus `interpret` (the call is traced under the interpret mode when it is set).
+    JAX lowers a jitted callee once per program, so the layers' call sites of one shape share
+    one Mosaic lowering instead of lowering the kernel again at every site. A kernel_call
+    with an `interpret` parameter of its own receives it too."""
+    passes = "interpret" in inspect.signature(kernel_call).parameters
+
+    def call(*args, interpret: bool = False, **static):
+        if passes:
+            static["interpret"] = interpret
+        with maybe_interpret(interpret):
+            return kernel_call(*args, **static)
+    call.__name__ = call.__qualname__ = kernel_call.__name__    # the program's callee name
+    return jax.jit(call, static_argnames=("interpret",) + tuple(static_argnames))
 
 
 def round_up(x: int, m: int) -> int:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from custom_calls._common import maybe_interpret, round_up
+from custom_calls._common import lowered_once, round_up
 from deepinfer_fn import kernels_xla
 
 _ROWS = 64          # wgmma M: batch rows of one CTA
@@ -242,6 +242,9 @@ def _kernel_call(x, role_a, role_b, mult, comps, *, dims, overlaps, tn: int, blo
     return [tuple(res[3 * i: 3 * i + 3]) for i in range(len(dims))]
 
 
+_kernel = lowered_once(_kernel_call, "dims", "overlaps", "tn", "block_k", "stages", "splits")
+
+
 def merge_splits(parts, dtype):
     """[3, splits, B, d] partial (max, den, num) -> pooled [B, d] in dtype."""
     mx, den, num = parts[0], parts[1], parts[2]
@@ -307,9 +310,8 @@ def compressor_decode_mgpu(x, position, params, rings, ratio, freqs, eps, *,
                       g.reshape(b, n_slots * width)))
     dims = tuple(p["norm"].shape[0] for p in params)
     overlaps = tuple(p["wkv"].shape[1] == 2 * d for p, d in zip(params, dims))
-    with maybe_interpret(interpret):
-        res = _kernel_call(x.astype(dtype), role_a, role_b, mult, comps, dims=dims, overlaps=overlaps,
-                           tn=tn, block_k=block_k, stages=stages, splits=splits)
+    res = _kernel(x.astype(dtype), role_a, role_b, mult, comps, dims=dims, overlaps=overlaps,
+                  tn=tn, block_k=block_k, stages=stages, splits=splits, interpret=interpret)
     out = []
     for p, (kappa, gate, parts) in zip(params, res):
         pooled = merge_splits(parts[:, :, :b], dtype)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from custom_calls._common import maybe_interpret, round_up
+from custom_calls._common import lowered_once, round_up
 
 LOG2E = math.log2(math.e)
 NUM_SMS = 132
@@ -240,6 +240,9 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
     )(q, keys, bias)
 
 
+_kernel = lowered_once(_kernel_call, "tokens_per_key", "splits", "block_k", "stages", "qk_split")
+
+
 def choose_splits(tokens: int, nblk: int, num_sms: int = NUM_SMS) -> int:
     """Split each token's keys over CTAs until about half the SMs are busy: the smallest
     divisor of the block count with tokens * splits >= SMs / 2 (else all blocks). More
@@ -276,10 +279,9 @@ def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, 
         raise ValueError(f"flash_decode: bias length {bias.shape[1]} / key length {lk} do not fit "
                          f"block_k={block_k} x splits={splits}")
     dtype = keys.dtype
-    with maybe_interpret(interpret):
-        o, lse2 = _kernel_call(q.astype(dtype), keys, bias.astype(jnp.float32),
-                               tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
-                               stages=stages, interpret=interpret, qk_split=qk_split)
+    o, lse2 = _kernel(q.astype(dtype), keys, bias.astype(jnp.float32),
+                      tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
+                      stages=stages, interpret=interpret, qk_split=qk_split)
     lse2 = lse2[..., :h]                                     # [T, splits, H]
     sink2 = sinks.astype(jnp.float32) * LOG2E                # [H]
     mx = jnp.maximum(lse2.max(axis=1), sink2[None])          # [T, H]

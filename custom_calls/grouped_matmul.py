@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from custom_calls._common import maybe_interpret, on_hopper, round_up
+from custom_calls._common import lowered_once, on_hopper, round_up
 from deepinfer_fn import kernels_xla
 
 NUM_SMS = 132  # H100 SXM / H200: the persistent grid size
@@ -167,6 +167,10 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
     return kernel(meta, n_items, x, w)
 
 
+_grouped_matmul_kernel = lowered_once(_grouped_matmul_pallas, "block_m", "block_n", "block_k",
+                                      "max_concurrent_steps", "num_sms")
+
+
 def default_blocks(m: int, k: int, n: int, g: int) -> dict:
     """Tile sizes by regime (measured on an H200, benchmarks/results/kernels_h200.json).
 
@@ -210,10 +214,10 @@ def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, pad_m: bo
     if (kp, np_) != (k, n):
         ww = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
     meta, n_items = _work_list(group_sizes, mp, bm)
-    with maybe_interpret(interpret):
-        y = _grouped_matmul_pallas(xx, ww, meta, n_items, block_m=bm, block_n=bn, block_k=bk,
-                                   max_concurrent_steps=cfg["max_concurrent_steps"],
-                                   num_sms=cfg.get("num_sms", 4 if interpret else NUM_SMS))
+    y = _grouped_matmul_kernel(xx, ww, meta, n_items, block_m=bm, block_n=bn, block_k=bk,
+                               max_concurrent_steps=cfg["max_concurrent_steps"],
+                               num_sms=cfg.get("num_sms", 4 if interpret else NUM_SMS),
+                               interpret=interpret)
     if (mp, np_) != (m, n):
         y = y[:m, :n]
     return y

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from custom_calls._common import maybe_interpret, on_hopper, round_up
+from custom_calls._common import lowered_once, on_hopper, round_up
 from deepinfer_fn.model.common import rms_norm
 from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
 
@@ -232,6 +232,9 @@ def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps
     )(x2, fprep, norm_weight, base, scale)
 
 
+_pre_kernel = lowered_once(_pre_call, "n", "iters", "hc_eps", "norm_eps", "stages")
+
+
 def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: float,
                  norm_eps: float, interpret: bool = False, stages: int = 3):
     """Registry signature of `mhc_pre`; unsupported inputs go to the XLA reference."""
@@ -241,10 +244,9 @@ def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: f
         return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     ntok, n, d = streams.shape
     x2 = _pad_tokens(streams.reshape(ntok, n * d))
-    with maybe_interpret(interpret):
-        h, gt = _pre_call(x2, prepare_fn(fn), norm_weight, base.astype(jnp.float32),
-                          scale.astype(jnp.float32), n=n, iters=iters, hc_eps=hc_eps,
-                          norm_eps=norm_eps, stages=stages)
+    h, gt = _pre_kernel(x2, prepare_fn(fn), norm_weight, base.astype(jnp.float32),
+                        scale.astype(jnp.float32), n=n, iters=iters, hc_eps=hc_eps,
+                        norm_eps=norm_eps, stages=stages, interpret=interpret)
     # Transposed back here; mhc_post_mgpu transposes again, and XLA cancels the pair.
     post = gt[n:2 * n, :ntok].T
     comb = gt[2 * n:, :ntok].T.reshape(ntok, n, n)
@@ -335,6 +337,9 @@ def _post_call(x2, y, gt, *, n: int, splits: int):
     )(x2, y, gt)
 
 
+_post_kernel = lowered_once(_post_call, "n", "splits")
+
+
 def mhc_post_mgpu(streams, y, post, comb, *, interpret: bool = False,
                   splits: int | None = None):
     """Registry signature of `mhc_post`; unsupported inputs go to the XLA reference."""
@@ -348,9 +353,9 @@ def mhc_post_mgpu(streams, y, post, comb, *, interpret: bool = False,
     gt = jnp.concatenate([post.astype(jnp.float32).T,
                           comb.astype(jnp.float32).reshape(ntok, n * n).T], axis=0)
     gt = jnp.pad(gt, ((0, 0), (0, nblk * TOK - ntok)))
-    with maybe_interpret(interpret):
-        out = _post_call(_pad_tokens(streams.reshape(ntok, n * d)),
-                         _pad_tokens(y.astype(streams.dtype)), gt, n=n, splits=splits)
+    out = _post_kernel(_pad_tokens(streams.reshape(ntok, n * d)),
+                       _pad_tokens(y.astype(streams.dtype)), gt, n=n, splits=splits,
+                       interpret=interpret)
     return out[:ntok].reshape(ntok, n, d)
 
 

@@ -145,3 +145,26 @@ def test_mhc_kernels_lower_for_cuda():
         sd((ntok, n, n), jnp.float32))
     for e in (pre, post):
         assert "mosaic_gpu" in e.mlir_module()
+
+
+@needs_interpret
+def test_mhc_call_sites_share_one_lowering():
+    """Three layers' call sites of one shape lower one Mosaic kernel a side (each side's
+    kernel is a jitted callee, which JAX lowers once per program): the exported module holds
+    as many Mosaic custom calls as a single call site's."""
+    sd = jax.ShapeDtypeStruct
+    n, d, ntok = 4, 256, 16
+    args = (sd((ntok, n, d), jnp.bfloat16), sd((n * d, 24), jnp.float32), sd((24,), jnp.float32),
+            sd((3,), jnp.float32), sd((d,), jnp.bfloat16))
+
+    def layers(count):
+        def f(x, fn, base, scale, w):
+            for _ in range(count):
+                h, post, comb = mhc_pre_mgpu(x, fn, base, scale, w, **KW)
+                x = mhc_post_mgpu(x, h, post, comb)
+            return x
+        text = jax.export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+        return text.count("stablehlo.custom_call @mosaic_gpu")
+
+    one, three = layers(1), layers(3)
+    assert one >= 2 and three == one, (one, three)
