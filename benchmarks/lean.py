@@ -128,7 +128,10 @@ def plan(quick: bool) -> dict:
 
 
 def decode_points(p: dict) -> list[tuple[int, int]]:
-    """(batch, context) in priority order: the targets (4k; batch 1, 64) first."""
+    """(batch, context) in priority order: the targets (4k; batch 1, 64) first; or the plan's
+    "decode_points" (`--decode-points`) as given."""
+    if p.get("decode_points"):
+        return list(p["decode_points"])
     pts = [(b, c) for c in p["contexts"] for b in p["batches"]]
     first = [(b, p["contexts"][0]) for b in p["target_batches"]]
     return first + [x for x in pts if x not in first]
@@ -1154,6 +1157,7 @@ def run_worker(section: str, args, timeout: float, model: str | None = None,
            "--fragment", frag, "--deadline", str(time.time() + timeout - 5), *extra]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--engram-stores", args.engram_stores] if getattr(args, "engram_stores", None) else []
+    cmd += ["--decode-points", args.decode_points] if getattr(args, "decode_points", None) else []
     cmd += ["--model", model] if model else []
     t0 = time.time()
     timed_out, rc, tail = False, None, ""
@@ -1372,6 +1376,17 @@ def with_overrides(p: dict, args) -> dict:
     return p
 
 
+def parse_points(text: str) -> tuple[tuple[int, int], ...]:
+    """"1x4096,64x4096" -> ((1, 4096), (64, 4096))."""
+    try:
+        pts = tuple(tuple(int(v) for v in item.lower().split("x")) for item in text.split(","))
+    except ValueError:
+        pts = ()
+    if not pts or any(len(pt) != 2 or min(pt) < 1 for pt in pts):
+        raise ValueError(f"--decode-points={text!r}: want BxC pairs, e.g. 1x4096,64x4096")
+    return pts
+
+
 def _preset_names() -> tuple[str, ...]:
     from deepinfer_fn.config import ModelConfig
     return ModelConfig.presets()
@@ -1405,6 +1420,9 @@ def main(argv=None):
                          "v4.1-tiny)")
     ap.add_argument("--engram-stores", default=None,
                     help="V4.1 decode arms, comma-separated of device,host (default both)")
+    ap.add_argument("--decode-points", default=None,
+                    help="decode section points BxC, comma-separated (e.g. 1x4096,64x4096; "
+                         "default: batches 1/16/64/256 x contexts 4k/32k)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--peer-python", default=None,
                     help="interpreter with torch + transformers for the peer (default: this one)")
@@ -1418,11 +1436,15 @@ def main(argv=None):
     if args.worker:                   # no deepinfer_fn import before the worker's jax set-up
         if args.engram_stores:
             p["engram_stores"] = tuple(args.engram_stores.split(","))
+        if args.decode_points:
+            p["decode_points"] = parse_points(args.decode_points)
         WORKERS[args.worker](args, p, Fragment(args.fragment))
         sys.stdout.flush()
         os._exit(0)         # compiles of skipped points may still run in pool threads
     try:
         p = with_overrides(p, args)
+        if args.decode_points:
+            p["decode_points"] = parse_points(args.decode_points)
     except ValueError as e:
         ap.error(str(e))
     if args.compile_timeout is None:
