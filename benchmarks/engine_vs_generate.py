@@ -7,7 +7,9 @@ bucket N, prefix cache off), so both do the same prefills and decode steps. Comp
 (`generate` is called once before timing, `Engine.warmup()` compiles every shape). Arms:
 
   plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call);
-           `--engine-steps 8d,8f,1`: "Kf" / "Kd" add decode_loop="fixed" / "dynamic"
+           `--engine-steps 8d,8f,1`: "Kf" / "Kd" add decode_loop="fixed" / "dynamic"; a
+           trailing "s" ("8fs") compiles the single prefill shape (N, prompt) instead of the
+           ladder
   dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); default
            model only (the `mini` preset has no trained drafter)
 
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -69,17 +72,25 @@ def generate_arm(params, rows, N, new, spec_kw):
     return lambda: np.concatenate([call(b) for b in batches])
 
 
+def parse_steps(steps: str) -> tuple[int, str | None, bool]:
+    """"8fs" -> (decode_steps 8, decode_loop "fixed", single prefill shape True)."""
+    m = re.fullmatch(r"(\d+)([fd]?)(s?)", steps)
+    if not m:
+        raise SystemExit(f"--engine-steps item {steps!r}: want K, Kf or Kd, optionally + 's'")
+    return int(m[1]), {"f": "fixed", "d": "dynamic"}.get(m[2]), bool(m[3])
+
+
 def engine_for(params, rows, N, new, steps: str, spec_kw):
-    """An Engine for the work (every shape compiled, host caches warm). steps: "K"
-    (decode_steps K, the default decode_loop), "Kf" (decode_loop "fixed") or "Kd" ("dynamic").
+    """An Engine for the work (every shape compiled, host caches warm). steps: `parse_steps`.
     Prefill shapes: a ladder of 1, 4, 16 and N rows of the prompt width, so a request admitted
-    alone into a freed slot (speculative rows finish one by one) does not pay an N-row prefill."""
+    alone into a freed slot (speculative rows finish one by one) does not pay an N-row prefill;
+    or (N, prompt) only."""
     P = rows.shape[1]
-    ladder = tuple((r, P) for r in sorted({1, 4, 16, N}) if r <= N)
-    eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=ladder,
+    K, loop, single = parse_steps(steps)
+    shapes = ((N, P),) if single else tuple((r, P) for r in sorted({1, 4, 16, N}) if r <= N)
+    eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=shapes,
                  decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
-                 decode_steps=int(steps.rstrip("fd")),
-                 decode_loop={"f": "fixed", "d": "dynamic"}.get(steps[-1]), **spec_kw)
+                 decode_steps=K, decode_loop=loop, **spec_kw)
     eng.warmup()
     eng.generate(requests(rows[:N], new))
     return eng
@@ -161,7 +172,7 @@ def main():
                 spec_kw = dict(speculative="dspark", drafter=drafter) if arm == "dspark" else {}
                 steps = args.engine_steps
                 if arm == "dspark":     # its one-step-per-call engine is left out
-                    steps = tuple(k for k in steps if k.rstrip("fd") != "1")
+                    steps = tuple(k for k in steps if parse_steps(k)[0] != 1)
                 yield N, arm, rows, spec_kw, steps
 
     def compiled(item):
