@@ -454,6 +454,39 @@ def test_speculative_decode_steps_follow_measured_tokens_per_step():
     assert plain.plan_decode_steps() == 5
 
 
+def test_decode_steps_round_down_to_compiled_loop_lengths():
+    """With the loop lengths of a fixed-count decode loop, a plan's step count is the largest
+    compiled one not above what the rules allow (a fixed loop would run the next one up in
+    full); an engine on that loop passes its lengths to the scheduler."""
+    from deepinfer_fn.engine.scheduler import Scheduler, Seq
+    from deepinfer_fn.engine.step import fixed_trip_counts
+
+    def planned(left, step_counts):
+        sched = Scheduler(max_batch=1, max_tokens_per_step=64, prefill_shapes=((1, 16),),
+                          page_size=4, max_pages=16, pages=PageAllocator(40), cache=None,
+                          replay_tokens=None, decode_steps=8, step_counts=step_counts)
+        for i in range(2):
+            r = Request(list(range(2, 10)), max_new_tokens=40, request_id=i)
+            sched.add(Seq(r, i, list(r.tokens), frozenset(), 0.0))
+        sched.schedule()
+        (seq,) = sched.running
+        seq.pos, seq.in_flight = len(seq.ext), 0        # the other request waits for its slot
+        seq.generated = [5] * (40 - left)
+        return sched.plan_decode_steps()
+
+    fixed = fixed_trip_counts(8)
+    assert [planned(left, None) for left in (8, 7, 5, 3, 2, 1)] == [8, 7, 5, 3, 2, 1]
+    assert [planned(left, fixed) for left in (8, 7, 5, 3, 2, 1)] == [8, 4, 4, 2, 2, 1]
+    with pytest.raises(AssertionError):
+        planned(3, (2, 4))                              # 1 must be a length
+    eng = Engine(params(), max_batch=2, max_tokens_per_step=64, max_len=64,
+                 decode_loop="fixed", progress=False)
+    assert eng.scheduler.step_counts == fixed
+    eng = Engine(params(), max_batch=2, max_tokens_per_step=64, max_len=64,
+                 decode_loop="dynamic", progress=False)
+    assert eng.scheduler.step_counts == tuple(range(1, 9))
+
+
 def test_fixed_trip_counts():
     from deepinfer_fn.engine.step import fixed_trip_counts
     assert fixed_trip_counts(1) == (1,)

@@ -453,7 +453,9 @@ class Engine:
                                    cache=self.shard_caches, replay_tokens=sched_replay,
                                    spec_width=gamma + 1 if gamma else 0,
                                    decode_steps=decode_steps, shards=n,
-                                   replay_align=2 if 2 in codes else 1)
+                                   replay_align=2 if 2 in codes else 1,
+                                   step_counts=(fixed_trip_counts(decode_steps)
+                                                if decode_loop == "fixed" else None))
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=n * num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)

@@ -148,10 +148,13 @@ class Scheduler:
                  pages: PageAllocator | list[PageAllocator],
                  cache: RadixCache | None | list[RadixCache | None], replay_tokens: int | None,
                  spec_width: int = 0, decode_steps: int = 1, shards: int = 1,
-                 replay_align: int = 1):
+                 replay_align: int = 1, step_counts: tuple[int, ...] | None = None):
         """pages / cache: a PageAllocator / RadixCache-or-None, or one per shard (lists).
         replay_align: a bounded replay starts at a multiple of it (V4.1 with code-2 sources:
-        2, so the replay begins on a pair boundary)."""
+        2, so the replay begins on a pair boundary). step_counts: the decode steps a device
+        call may run (the compiled loop lengths of a fixed-count decode loop, 1 among them);
+        a plan's count is rounded down to one of them, since a fixed loop runs the rounded-up
+        count in full (its masked steps cost a whole forward). None: any of 1..decode_steps."""
         assert replay_align >= 1 and page_size % replay_align == 0, (replay_align, page_size)
         assert decode_steps >= 1, decode_steps
         assert shards >= 1 and max_batch % shards == 0, (max_batch, shards)
@@ -162,6 +165,8 @@ class Scheduler:
         assert len(self.shard_pages) == len(self.shard_caches) == shards
         self.max_batch, self.budget = max_batch, max_tokens_per_step
         self.decode_steps = decode_steps      # most decode steps per device call (plain)
+        self.step_counts = tuple(sorted(step_counts or range(1, decode_steps + 1)))
+        assert self.step_counts[0] == 1 and self.step_counts[-1] <= decode_steps, step_counts
         self.prefill_shapes = tuple(prefill_shapes)
         self.chunk = max(w for _, w in prefill_shapes)
         self.prefill_rows = max(r for r, _ in prefill_shapes)
@@ -369,12 +374,16 @@ class Scheduler:
         return seq.req.max_new_tokens - len(seq.generated) - seq.in_flight
 
     def plan_decode_steps(self) -> int:
-        """Decode steps for the next device call (plain engines): `decode_steps` while no
+        """Decode steps for the next device call: `decode_steps` while no
         request is prefilling, none could be admitted now and none is constrained (its mask
         needs each token on the host); while requests wait for a slot, no more steps than
         until the first running request reaches max_new_tokens (its slot frees then; a
         speculative row is expected to get there at `spec_tokens_per_step` tokens per step),
-        so a waiting request is delayed by at most `decode_steps` steps."""
+        so a waiting request is delayed by at most `decode_steps` steps. The count is rounded
+        down to one of `step_counts`."""
+        return max(t for t in self.step_counts if t <= self._decode_steps_wanted())
+
+    def _decode_steps_wanted(self) -> int:
         K = self.decode_steps
         if K == 1 or (self.waiting and self.free_slots):
             return 1
