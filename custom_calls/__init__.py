@@ -17,7 +17,7 @@ kernel does not support fall back to the XLA reference (`deepinfer_fn.kernels_xl
 from deepinfer_fn.kernel_registry import register
 from custom_calls.grouped_matmul import grouped_matmul_mgpu
 from custom_calls.sparse_attention import sparse_attention_mgpu
-from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu
+from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu, mhc_prefers
 from custom_calls.attention import attention_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
 
@@ -29,8 +29,10 @@ register("attention", "mosaic_gpu")(attention_mgpu)
 register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
-for _fn in (mhc_pre_mgpu, mhc_post_mgpu, attention_mgpu, compressor_decode_mgpu):
+for _fn in (attention_mgpu, compressor_decode_mgpu):
     _fn.opt_in = True
+# The mHC kernels: chosen on narrow streams only (`mhc.prefers`).
+mhc_pre_mgpu.prefers = mhc_post_mgpu.prefers = mhc_prefers
 
 __all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
            "attention_mgpu", "compressor_decode_mgpu"]

@@ -52,6 +52,20 @@ def supported(streams) -> bool:
     return streams.dtype == jnp.bfloat16 and d % COLS == 0 and (2 + n) * n <= GATES
 
 
+# Widest streams (n * D) the platform preference sends to these kernels. One CTA walks a token
+# block's n * D columns in 64-column steps, so the pre side's latency grows with D. On the H200
+# (benchmarks/results/compile_stages_h200.json, "mhc_mosaic_probe"), decode at batch 16: the
+# default model (4 x 256) stepped in 0.52 ms instead of 0.65 ms, `mini` (4 x 2048) in 3.08 ms
+# instead of 2.13 ms; both compiled in under half the time (the Sinkhorn leaves XLA's fusion).
+PREFER_MAX_STREAM_WIDTH = 1024
+
+
+def mhc_prefers(streams, *args, **kwargs) -> bool:
+    """Whether the platform preference takes the Mosaic mHC kernels for `streams` [N, n, D]."""
+    n, d = streams.shape[-2:]
+    return supported(streams) and n * d <= PREFER_MAX_STREAM_WIDTH
+
+
 def _pad_tokens(x: jax.Array) -> jax.Array:
     """TMA on the tiled layout wants a token count <= 8 or a multiple of 8: pad rows then."""
     ntok = x.shape[0]

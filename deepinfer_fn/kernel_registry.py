@@ -26,7 +26,10 @@ _OVERRIDES: dict[str, str] = {}
 def register(op: str, impl: str):
     """Decorator: `fn` is implementation `impl` of `op`. `fn.opt_in = True` keeps it out of the
     platform preference (only `use` / DEEPINFER_KERNELS choose it); `fn.available()`, when
-    present, says whether it can run on this device."""
+    present, says whether it can run on this device; `fn.prefers(*args, **kwargs)`, when
+    present, whether the platform preference takes it for these arguments (the shapes where it
+    was measured faster; otherwise the call goes to the XLA reference). A forced choice runs
+    regardless."""
     def deco(fn):
         _REGISTRY.setdefault(op, {})[impl] = fn
         return fn
@@ -97,6 +100,17 @@ def use(op: str, impl: str):
             _OVERRIDES[op] = old
 
 
+def chosen_for(op: str, *args, **kwargs) -> str:
+    """The implementation `call(op, *args, **kwargs)` runs: `choose(op)`, unless that came
+    from the platform preference and its `prefers` declines these arguments (then "xla")."""
+    impl = choose(op)
+    fn = _REGISTRY[op][impl]
+    forced = _OVERRIDES.get(op) or _env_overrides().get(op)
+    if not forced and not getattr(fn, "prefers", lambda *a, **k: True)(*args, **kwargs):
+        return "xla"
+    return impl
+
+
 def call(op: str, *args, **kwargs):
-    """`op`'s chosen implementation applied to the arguments."""
-    return _REGISTRY[op][choose(op)](*args, **kwargs)
+    """`op`'s chosen implementation (`chosen_for`) applied to the arguments."""
+    return _REGISTRY[op][chosen_for(op, *args, **kwargs)](*args, **kwargs)

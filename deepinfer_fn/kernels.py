@@ -7,11 +7,11 @@ Backends:
   xla         pure XLA, every platform: the reference (`kernels_xla`).
   xla_select  pure XLA, opt-in: `top_k_rows` by radix select instead of a sort.
   mosaic_gpu  Pallas Mosaic GPU kernels for NVIDIA Hopper (the `custom_calls` package).
-              Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`;
-              the others (`mhc_pre`, `mhc_post`, `attention`, `compressor_decode`) are opt-in
-              (`fn.opt_in = True`: no faster than XLA at decode sizes, and their Mosaic lowering
-              adds compile time per call site): force them with `use` or DEEPINFER_KERNELS, e.g.
-              "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
+              Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`,
+              and for `mhc_pre` / `mhc_post` on streams of n * D <= 1024 (`fn.prefers`: faster
+              than XLA there, slower on wider streams); `attention` and `compressor_decode`
+              are opt-in (`fn.opt_in = True`: no faster than XLA at decode sizes): force any of
+              them with `use` or DEEPINFER_KERNELS, e.g. "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
   sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
   ascend      Huawei Ascend dispatch point: needs CANN 9.2, not built.
 """

@@ -68,13 +68,21 @@ def test_sublayer_helpers_keep_leading_axes():
     np.testing.assert_allclose(out, mhc.expand(streams, 2 * h, post, comb), rtol=1e-6, atol=1e-6)
 
 
-def test_registered_opt_in_and_not_chosen_on_cpu():
+def test_registered_and_preferred_on_narrow_streams_only():
+    """The mHC kernels are in the GPU preference (where an sm_90 device is available) for
+    streams of n * D <= 1024 only; forcing them works at any width."""
+    from custom_calls.mhc import mhc_prefers
     for op in ("mhc_pre", "mhc_post"):
+        fn = kernels.implementation(op, "mosaic_gpu")
         assert {"xla", "mosaic_gpu", "sm100", "ascend"} <= set(kernels.implementations(op))
-        assert kernels.implementation(op, "mosaic_gpu").opt_in
-        assert kernels.choose(op, "cpu") == kernels.choose(op, "gpu") == "xla"
+        assert not getattr(fn, "opt_in", False) and fn.prefers is mhc_prefers
+        assert kernels.choose(op, "cpu") == "xla"
+        assert kernels.choose(op, "gpu") == ("mosaic_gpu" if fn.available() else "xla")
         with kernels.use(op, "mosaic_gpu"):
             assert kernels.choose(op, "gpu") == "mosaic_gpu"
+    narrow = jnp.zeros((16, 4, 256), jnp.bfloat16)
+    assert mhc_prefers(narrow) and not mhc_prefers(jnp.zeros((16, 4, 2048), jnp.bfloat16))
+    assert not mhc_prefers(narrow.astype(jnp.float32))          # unsupported: never preferred
 
 
 def _ran_kernel(fn, *args) -> bool:

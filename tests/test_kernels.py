@@ -3,6 +3,7 @@ implementation against the XLA reference (a brute-force loop for the reference i
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,3 +91,23 @@ def test_gpu_kernels_match_reference_in_interpret_mode():
     want = kernels.implementation("grouped_matmul", "xla")(x, w, sizes).astype(jnp.float32)
     got = fn(x, w, sizes).astype(jnp.float32)
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)
+
+
+def test_prefers_sends_declined_shapes_to_the_reference(monkeypatch):
+    """An implementation's `prefers` decides per call under the platform preference (declined:
+    the XLA reference runs); a forced choice runs whatever `prefers` says."""
+    from deepinfer_fn import kernel_registry as reg
+    op = "test_prefers_op"
+    ran = []
+    reg.register(op, "xla")(lambda x: ran.append("xla") or x)
+    fast = reg.register(op, "fast")(lambda x: ran.append("fast") or x)
+    fast.prefers = lambda x: x.shape[0] <= 4
+    monkeypatch.setitem(reg._PREFERENCE, jax.default_backend(), ("fast", "xla"))
+    small, big = jnp.zeros((4,)), jnp.zeros((5,))
+    assert reg.chosen_for(op, small) == "fast" and reg.chosen_for(op, big) == "xla"
+    reg.call(op, small), reg.call(op, big)
+    with reg.use(op, "fast"):
+        assert reg.chosen_for(op, big) == "fast"
+        reg.call(op, big)
+    assert ran == ["fast", "xla", "fast"]
+    monkeypatch.delitem(reg._REGISTRY, op)
