@@ -8,6 +8,7 @@ and the bf16 matmul peak measured in the same run; DeepSeek-V4.1 (`v4.1-mini`) b
     python benchmarks/lean.py --sections decode,kernels --out /tmp/lean.json
     python benchmarks/lean.py --sections compile --compile-models v4.1-mini,v4.1-flash
     python benchmarks/lean.py --sections decode,prefill --presets mini,v4.1-mini
+    python benchmarks/lean.py --sections decode --presets v4.1-mini --decode-points 1x4096,64x4096
 
 Sections (`--sections`, default all), each run in its own subprocess under a wall-clock
 budget (`--budget compile=200,decode=120`): a section past its budget is stopped and keeps
