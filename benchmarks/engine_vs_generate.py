@@ -158,7 +158,7 @@ def main():
     device = jax.devices()[0].device_kind
     out = dict(device=device, host=platform.node(), model=args.model, dtype=args.dtype,
                prompt_len=args.prompt_len, new=args.new, decode_steps=args.decode_steps,
-               repeats=args.repeats, prefill_shape_rows="1,4,16,N", results=[])
+               repeats=args.repeats, results=[])
     print(f"{device}: model {args.model} ({args.dtype}), prompts {args.prompt_len}, "
           f"{args.new} new tokens, decode_steps {args.decode_steps}", flush=True)
     barriers = bool(args.compiled_file or args.wait_for)
@@ -219,7 +219,8 @@ def main():
                 decode_calls=m.decode_calls, mean_decode_steps=m.mean_decode_steps,
                 steps=m.steps, idle_fraction=mi.idle_fraction, idle_total_s=mi.idle_total_s,
                 idle_steps_measured=mi.idle_steps_measured, idle_run_tok_s=mi.throughput_tokens_per_s,
-                same_tokens_as_generate=same, tau=m.tau, acceptance_rate=m.acceptance_rate)
+                same_tokens_as_generate=same, tau=m.tau, acceptance_rate=m.acceptance_rate,
+                prefill_shapes=[list(x) for x in eng.prefill_shapes])
             print(f"N={N:3d} {arm:6s} engine steps/call {steps}: {n_tok / wall:10.1f} tok/s "
                   f"({g_wall / wall:.3f}x generate)  {m.mean_decode_steps:.2f} decode steps"
                   f"/call over {m.decode_calls} calls  idle {mi.idle_fraction:.3%} of device "

@@ -99,6 +99,7 @@ def test_prefers_sends_declined_shapes_to_the_reference(monkeypatch):
     from deepinfer_fn import kernel_registry as reg
     op = "test_prefers_op"
     ran = []
+    monkeypatch.setitem(reg._REGISTRY, op, {})          # removed again at teardown
     reg.register(op, "xla")(lambda x: ran.append("xla") or x)
     fast = reg.register(op, "fast")(lambda x: ran.append("fast") or x)
     fast.prefers = lambda x: x.shape[0] <= 4
@@ -110,4 +111,3 @@ def test_prefers_sends_declined_shapes_to_the_reference(monkeypatch):
         assert reg.chosen_for(op, big) == "fast"
         reg.call(op, big)
     assert ran == ["fast", "xla", "fast"]
-    monkeypatch.delitem(reg._REGISTRY, op)
