@@ -57,6 +57,125 @@ def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks):
     return out.astype(dtype)
 
 
+def _chunk_key_positions(start, n_new, ring_pos, s: int):
+    """Key positions of the window sources, -1 where a key must never be visible: ring slots
+    holding a position at or past the chunk's start (stale or rolled back) and the chunk's
+    padding tokens. Returns (chunk positions [B,S], ring key positions [B,R], chunk key
+    positions [B,S])."""
+    positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
+    ring = jnp.where((ring_pos >= 0) & (ring_pos < start[:, None]), ring_pos, -1)
+    chunk = jnp.where(jnp.arange(s)[None] < n_new[:, None], positions, -1)
+    return positions, ring, chunk
+
+
+def _window_ok(q_pos, k_pos, window: int):
+    """Key position s is visible to query t iff t - window < s <= t and s >= 0 (bool)."""
+    t, s = q_pos[..., :, None], k_pos[..., None, :]
+    return (s <= t) & (s > t - window) & (s >= 0)
+
+
+def _extra_logits(q, extra_keys, extra_bias, dtype):
+    """fp32 logits [B,S,H,K] of the extra keys (shared [B,N,d] or per token [B,S,K,d])."""
+    spec = "bshd,bnd->bshn" if extra_keys.ndim == 3 else "bshd,bskd->bshk"
+    scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
+    logits = einsum(spec, q, extra_keys, out_dtype=jnp.float32, dtype=dtype) * scale
+    return logits + extra_bias.astype(jnp.float32)[:, :, None, :]
+
+
+def _extra_values(probs, extra_keys, dtype):
+    """probs [B,S,H,K] fp32 times the extra keys -> [B,S,H,d] fp32."""
+    spec = "bshn,bnd->bshd" if extra_keys.ndim == 3 else "bshk,bskd->bshd"
+    return einsum(spec, probs, extra_keys, out_dtype=jnp.float32, dtype=dtype)
+
+
+@register("chunk_attention", "xla_dense")
+def chunk_attention_dense(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
+                          extra_keys=None, extra_bias=None):
+    """`kernels.chunk_attention` with dense logits over every ring slot and chunk key (the
+    formula as written; S x (R + S) logits). Opt-in: the oracle of the blocked "xla"."""
+    dtype = kv.dtype
+    s = q.shape[1]
+    positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s)
+    keys = jnp.concatenate([ring_kv.astype(dtype), kv], axis=1)
+    ok = _window_ok(positions, jnp.concatenate([ring, chunk], axis=1), window)
+    scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
+    logits = einsum("bshd,bkd->bshk", q, keys, out_dtype=jnp.float32, dtype=dtype) * scale
+    parts = [jnp.where(ok[:, :, None, :], logits, -jnp.inf)]
+    if extra_keys is not None:
+        parts.append(_extra_logits(q, extra_keys, extra_bias, dtype))
+    parts.append(jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None],
+                                  logits.shape[:-1] + (1,)))
+    probs = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1)
+    out = einsum("bshk,bkd->bshd", probs[..., :keys.shape[1]], keys, out_dtype=jnp.float32,
+                 dtype=dtype)
+    if extra_keys is not None:
+        out = out + _extra_values(probs[..., keys.shape[1]:-1], extra_keys, dtype)
+    return out.astype(dtype)
+
+
+chunk_attention_dense.opt_in = True
+
+
+def chunk_block_size(window: int) -> int:
+    """Query block of the blocked chunk attention: the window rounded up to 8 (>= 8)."""
+    return max(8, -(-window // 8) * 8)
+
+
+@register("chunk_attention", "xla")
+def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
+                    extra_keys=None, extra_bias=None):
+    """`kernels.chunk_attention` in XLA, the window blocked: the chunk is cut into query
+    blocks of Q = `chunk_block_size(window)` tokens, and block i attends to the R + Q keys
+    E[iQ : iQ + R + Q] of E = [ring slots in position order | chunk keys] -- every key its
+    queries' windows can hold (R >= window), so S x (R + Q) logits instead of S x (R + S).
+    The ring is put in position order by a per-row rotation: slot (start - R + j) % R holds
+    position start - R + j or a position older than every window of the chunk."""
+    dtype = kv.dtype
+    b, s, h, d = q.shape
+    r = ring_kv.shape[1]
+    if r < window:
+        raise ValueError(f"chunk_attention: ring of {r} slots < window {window}")
+    qb = chunk_block_size(window)
+    nb = -(-s // qb)
+    sp = nb * qb
+    positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s)
+    order = (start[:, None] - r + jnp.arange(r, dtype=jnp.int32)) % r            # [B, R]
+    ring_kv = jnp.take_along_axis(ring_kv.astype(dtype), order[..., None], axis=1)
+    ring = jnp.take_along_axis(ring, order, axis=1)
+    pad = sp - s
+    e_kv = jnp.concatenate([ring_kv, jnp.pad(kv, ((0, 0), (0, pad), (0, 0)))], axis=1)
+    e_pos = jnp.concatenate([ring, jnp.pad(chunk, ((0, 0), (0, pad)), constant_values=-1)], 1)
+    take = (jnp.arange(nb) * qb)[:, None] + jnp.arange(r + qb)[None]            # [nb, R+Q]
+    k_blk = e_kv[:, take]                                                        # [B,nb,R+Q,d]
+    kpos_blk = e_pos[:, take]
+    q_pos = jnp.pad(positions, ((0, 0), (0, pad))).reshape(b, nb, qb)
+    ok = _window_ok(q_pos, kpos_blk, window)                                     # [B,nb,Q,R+Q]
+    q_blk = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, qb, h, d)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    lw = einsum("bnqhd,bnkd->bnqhk", q_blk, k_blk, out_dtype=jnp.float32, dtype=dtype) * scale
+    lw = jnp.where(ok[:, :, :, None, :], lw, -jnp.inf)
+    sink = sinks.astype(jnp.float32)[None, None, None, :]
+    m = jnp.maximum(lw.max(-1), sink)                                            # [B,nb,Q,H]
+    le = None
+    if extra_keys is not None:
+        if extra_keys.ndim == 4:
+            extra_keys = jnp.pad(extra_keys, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        extra_bias = jnp.pad(extra_bias, ((0, 0), (0, pad), (0, 0)))
+        le = _extra_logits(jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))), extra_keys,
+                           extra_bias, dtype)                                    # [B,Sp,H,K]
+        m = jnp.maximum(m, le.max(-1).reshape(b, nb, qb, h))
+    pw = jnp.exp(lw - m[..., None])
+    den = pw.sum(-1) + jnp.exp(sink - m)
+    if le is not None:
+        pe = jnp.exp(le - m.reshape(b, sp, h)[..., None])
+        den = den + pe.sum(-1).reshape(b, nb, qb, h)
+    out = einsum("bnqhk,bnkd->bnqhd", pw / den[..., None], k_blk, out_dtype=jnp.float32,
+                 dtype=dtype).reshape(b, sp, h, d)
+    if le is not None:
+        out = out + _extra_values(pe / den.reshape(b, sp, h)[..., None], extra_keys, dtype)
+    return out[:, :s].astype(dtype)
+
+
 @register("top_k_rows", "xla")
 def top_k_rows(scores, visible, k):
     """`kernels.top_k_rows` by `lax.top_k` (indices by decreasing score)."""

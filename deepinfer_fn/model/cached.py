@@ -26,6 +26,22 @@ from deepinfer_fn.model.indexer import index_queries, index_scores, top_k_rows
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 
 
+# Chunks of more than this many tokens (prefill) attend through `kernels.chunk_attention`
+# (the window blocked); decode steps and verify chunks through the decode kernels.
+DECODE_CHUNK_MAX = 16
+# A prefill chunk of a CSA layer scores every compressed row, the unselected ones masked,
+# while the layer holds at most this many rows; beyond, each token's selection is gathered.
+DENSE_ROWS_MAX = 4096
+
+
+def _chosen(row_idx, n_rows: int):
+    """Selected-row mask [B,S,N] bool of row indices [B,S,K] (-1 = none)."""
+    hit = jnp.zeros(row_idx.shape[:-1] + (n_rows + 1,), bool)
+    hit = jnp.put_along_axis(hit, jnp.where(row_idx >= 0, row_idx, n_rows), True, axis=-1,
+                             inplace=False)
+    return hit[..., :n_rows]
+
+
 def _gather_tokens(ext, idx):
     """ext [B, L, C], idx [B, ...] -> [B, ..., C]."""
     return jax.vmap(lambda e, i: e[i])(ext, idx)
@@ -142,6 +158,13 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     window_kv = jnp.concatenate([ring_kv, kv], axis=1)
     bias = window_bias(positions, jnp.concatenate([ring_pos, chunk_pos], 1), cfg.sliding_window)
 
+    blocked = S > DECODE_CHUNK_MAX   # prefill chunks: the window blocked (kernels.chunk_attention)
+
+    def attend(extra_keys=None, extra_bias=None):
+        return kernels.chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, p["sinks"],
+                                       window=cfg.sliding_window, extra_keys=extra_keys,
+                                       extra_bias=extra_bias)
+
     new = dict(st)
     if layer_type in (CSA, HCA):
         m = cfg.compress_ratio_of(layer_type)
@@ -158,13 +181,21 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, _read(new, "index_rows", layer))
             row_idx = top_k_rows(scores, visible, cfg.index_topk)
-            o = kernels.sparse_attention(q, window_kv, bias, rows, row_idx, p["sinks"])
+            if not blocked:
+                o = kernels.sparse_attention(q, window_kv, bias, rows, row_idx, p["sinks"])
+            elif rows.shape[1] <= DENSE_ROWS_MAX:   # every row, the unselected ones masked
+                o = attend(rows, jnp.where(_chosen(row_idx, rows.shape[1]), 0.0, NEG_INF))
+            else:                                   # each token's selected rows gathered
+                o = attend(_gather_tokens(rows, jnp.maximum(row_idx, 0)),
+                           jnp.where(row_idx >= 0, 0.0, NEG_INF))
+        elif blocked:
+            o = attend(rows, jnp.where(visible, 0.0, NEG_INF))
         else:
             keys = jnp.concatenate([window_kv, rows], axis=1)
             bias = jnp.concatenate([bias, jnp.where(visible, 0.0, NEG_INF)], axis=-1)
             o = kernels.attention(q, keys, bias, p["sinks"])
     else:
-        o = kernels.attention(q, window_kv, bias, p["sinks"])
+        o = attend() if blocked else kernels.attention(q, window_kv, bias, p["sinks"])
     out = output_projection(p, o, cos, sin, cfg)
 
     # Ring update: the chunk's valid tokens that can still be in a future window.
