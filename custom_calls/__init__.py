@@ -7,6 +7,8 @@
   mhc_pre/mhc_post  custom_calls.mhc.mhc_pre_mgpu / mhc_post_mgpu
   attention         custom_calls.attention.attention_mgpu
   compressor_decode custom_calls.compressor.compressor_decode_mgpu  (opt-in: available() is False)
+  linear            custom_calls.dense.linear_mgpu          (decode rows: M <= 64)
+  grouped_linear    custom_calls.dense.grouped_linear_mgpu  (decode rows: M <= 64)
 
 Each implementation has `available()` (True only on an sm_90 NVIDIA device, so the
 registry's GPU preference falls back to XLA elsewhere) and an `interpret=False` keyword that
@@ -20,6 +22,7 @@ from custom_calls.sparse_attention import sparse_attention_mgpu
 from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu, mhc_prefers
 from custom_calls.attention import attention_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
+from custom_calls.dense import grouped_linear_mgpu, linear_mgpu
 
 register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
 register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
@@ -27,6 +30,8 @@ register("mhc_pre", "mosaic_gpu")(mhc_pre_mgpu)
 register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
 register("attention", "mosaic_gpu")(attention_mgpu)
 register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
+register("linear", "mosaic_gpu")(linear_mgpu)
+register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
 
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
 for _fn in (attention_mgpu, compressor_decode_mgpu):
@@ -35,4 +40,4 @@ for _fn in (attention_mgpu, compressor_decode_mgpu):
 mhc_pre_mgpu.prefers = mhc_post_mgpu.prefers = mhc_prefers
 
 __all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
-           "attention_mgpu", "compressor_decode_mgpu"]
+           "attention_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu"]

@@ -4,11 +4,16 @@ registry (`kernel_registry`: platform preference, `use(op, impl)`, or the enviro
 implementation is tested against the XLA reference (tests/test_kernels.py).
 
 Backends:
-  xla         pure XLA, every platform: the reference (`kernels_xla`).
+  xla         pure XLA, every platform: the reference (`kernels_xla`; `linear` and
+              `grouped_linear` live in `model.common` and are re-exported here). For
+              `chunk_attention` it is the blocked window; `xla_dense` (opt-in) is the dense
+              formula it is tested against.
   xla_select  pure XLA, opt-in: `top_k_rows` by radix select instead of a sort.
   mosaic_gpu  Pallas Mosaic GPU kernels for NVIDIA Hopper (the `custom_calls` package).
               Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`,
-              and for `mhc_pre` / `mhc_post` on streams of n * D <= 1024 (`fn.prefers`: faster
+              for `linear` / `grouped_linear` on at most 64 rows (decode projections: the
+              weight streamed once, also out of a scanned layer stack), and for
+              `mhc_pre` / `mhc_post` on streams of n * D <= 1024 (`fn.prefers`: faster
               than XLA there, slower on wider streams); `attention` and `compressor_decode`
               are opt-in (`fn.opt_in = True`: no faster than XLA at decode sizes): force any of
               them with `use` or DEEPINFER_KERNELS, e.g. "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
@@ -23,17 +28,20 @@ import jax
 from deepinfer_fn import kernels_xla
 from deepinfer_fn.kernel_registry import (KernelUnavailable, call, choose, implementation,
                                           implementations, register, register_unbuilt, use)
+from deepinfer_fn.model.common import grouped_linear, linear
 import custom_calls  # noqa: F401  registers the Mosaic GPU implementations
 
 compressor_row_finish = kernels_xla.compressor_row_finish
 
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
            "register_unbuilt", "use", "grouped_matmul", "attention", "sparse_attention",
-           "top_k_rows", "mhc_pre", "mhc_post", "compressor_decode", "compressor_row_finish"]
+           "chunk_attention", "top_k_rows", "mhc_pre", "mhc_post", "compressor_decode",
+           "compressor_row_finish", "linear", "grouped_linear"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
 _NO_CANN = "the Ascend backend needs CANN 9.2, which this build does not include"
-for _op in ("grouped_matmul", "attention", "sparse_attention", "mhc_pre", "mhc_post"):
+for _op in ("grouped_matmul", "attention", "sparse_attention", "mhc_pre", "mhc_post", "linear",
+            "grouped_linear"):
     register_unbuilt(_op, "sm100", _NO_SM100)
     register_unbuilt(_op, "ascend", _NO_CANN)
 
@@ -67,6 +75,24 @@ def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks) -> jax.Arr
     Returns o [B,S,H,d] in rows' dtype. Logits and softmax in fp32.
     """
     return call("sparse_attention", q, window_kv, window_bias, rows, row_idx, sinks)
+
+
+def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: int,
+                    extra_keys=None, extra_bias=None) -> jax.Array:
+    """Attention of a chunk of new tokens over its sliding window, plus optional extra keys,
+    one softmax with the sink logit (spec §2.8, §4): prefill chunks.
+
+    q [B,S,H,d]; kv [B,S,d] the chunk's keys (K = V); token j of row b sits at position
+    start[b] + j and is real for j < n_new[b] (padding keys are never visible; padding
+    queries' outputs are unspecified); ring_kv [B,R,d], ring_pos [B,R] int32: earlier tokens
+    at slot position % R (-1 = empty; slots at or past start are ignored), R >= window;
+    sinks [H] fp32. Key position s is visible to query t iff t - window < s <= t.
+    extra_keys: [B,N,d] shared by a row's tokens (compressed rows) or [B,S,K,d] a list per
+    token (selected rows), extra_bias [B,S,N|K] fp32 additive (0 / -inf).
+    Returns o [B,S,H,d] in kv's dtype; logits and softmax in fp32.
+    """
+    return call("chunk_attention", q, kv, start, n_new, ring_kv, ring_pos, sinks,
+                window=window, extra_keys=extra_keys, extra_bias=extra_bias)
 
 
 def top_k_rows(scores, visible, k: int) -> jax.Array:

@@ -111,3 +111,29 @@ def test_prefers_sends_declined_shapes_to_the_reference(monkeypatch):
         assert reg.chosen_for(op, big) == "fast"
         reg.call(op, big)
     assert ran == ["fast", "xla", "fast"]
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_linear_reference_against_numpy(m):
+    """`linear` / `grouped_linear` (XLA): a single row (run as two rows, `two_rows`) and
+    several rows against numpy products, leading axes kept."""
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 1, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    got = np.asarray(kernels.linear(jnp.asarray(x), jnp.asarray(w)))
+    assert got.shape == (m, 1, 40)
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
+    xg = rng.standard_normal((m, 3, 16)).astype(np.float32)
+    wg = rng.standard_normal((3, 16, 8)).astype(np.float32)
+    got = np.asarray(kernels.grouped_linear(jnp.asarray(xg), jnp.asarray(wg)))
+    np.testing.assert_allclose(got, np.einsum("ngi,gir->ngr", xg, wg), rtol=1e-5, atol=1e-5)
+
+
+def test_single_row_projection_stays_a_dot():
+    """The single-row case is lowered as a dot of two rows, never a [1, K] x [K, N] dot
+    (which XLA:GPU rewrites into an unfused multiply + column reduction)."""
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    w = jnp.ones((64, 32), jnp.bfloat16)
+    dots = [ln for ln in jax.jit(kernels.linear).lower(x, w).as_text().splitlines()
+            if "dot_general" in ln]
+    assert len(dots) == 1 and "(tensor<2x64xbf16>, tensor<64x32xbf16>)" in dots[0], dots

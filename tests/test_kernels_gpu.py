@@ -173,3 +173,38 @@ def test_kernels_lower_for_cuda():
         sd((2, 1, 128), jnp.float32), sd((2, 1024, 512), jnp.bfloat16),
         sd((2, 1, 512), jnp.int32), sd((32,), jnp.float32))
     assert time.time() - t0 < 30
+
+
+@pytest.mark.parametrize("m,split", [(1, {}), (6, {"splits": 2}), (13, {"splits": 4}),
+                                     (64, {"splits": 2, "block_n": 64})])
+def test_linear_kernels_interpret(m, split):
+    """`linear` / `grouped_linear` on the split-K decode GEMM (rows padded to 8, K split in
+    2 or 4 partial products), bf16, against the XLA reference; the kernel must have run."""
+    from custom_calls.dense import grouped_linear_mgpu, linear_mgpu
+    from deepinfer_fn.model.common import grouped_linear_xla, linear_xla
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 192)) / 16, jnp.bfloat16)
+    fn = functools.partial(linear_mgpu, interpret=INTERPRET, **split)
+    got = np.asarray(run_kernel(fn, x, w).astype(jnp.float32))
+    np.testing.assert_allclose(got, np.asarray(linear_xla(x, w).astype(jnp.float32)),
+                               rtol=2e-2, atol=2e-2)
+    xg = jnp.asarray(rng.standard_normal((m, 2, 256)), jnp.bfloat16)
+    wg = jnp.asarray(rng.standard_normal((2, 256, 128)) / 16, jnp.bfloat16)
+    fn = functools.partial(grouped_linear_mgpu, interpret=INTERPRET, **split)
+    got = np.asarray(run_kernel(fn, xg, wg).astype(jnp.float32))
+    np.testing.assert_allclose(got, np.asarray(grouped_linear_xla(xg, wg).astype(jnp.float32)),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_linear_kernels_prefer_decode_rows_only():
+    """Taken for <= 64 rows of 64-aligned bf16 weights; more rows, odd shapes and fp32 go to
+    XLA (and a forced call on them runs the reference, no kernel)."""
+    from custom_calls.dense import linear_mgpu, linear_prefers
+    w = jnp.zeros((128, 192), jnp.bfloat16)
+    assert linear_prefers(jnp.zeros((64, 128), jnp.bfloat16), w)
+    assert not linear_prefers(jnp.zeros((65, 128), jnp.bfloat16), w)
+    assert not linear_prefers(jnp.zeros((1, 96), jnp.bfloat16), jnp.zeros((96, 192), jnp.bfloat16))
+    assert not linear_prefers(jnp.zeros((1, 128), jnp.float32), w.astype(jnp.float32))
+    odd = (jnp.ones((2, 96), jnp.bfloat16), jnp.ones((96, 64), jnp.bfloat16))
+    assert pallas_kernels(linear_mgpu, *odd) == []

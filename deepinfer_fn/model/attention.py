@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, ModelConfig
-from deepinfer_fn.model.common import einsum, head_rms, linear, rms_norm
+from deepinfer_fn.model.common import grouped_linear, head_rms, linear, rms_norm
 from deepinfer_fn.model.compressor import compress_sequence
 from deepinfer_fn.model.indexer import index_queries, index_scores, select_top_k
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -36,8 +36,7 @@ def output_projection(p, o, cos, sin, cfg: ModelConfig):
     """De-rotate each head at the query position, grouped wo_a, then wo_b (§2.8)."""
     B, T, H, d = o.shape
     o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
-    o = o.reshape(B, T, cfg.o_groups, H // cfg.o_groups * d)
-    z = einsum("btgi,gir->btgr", o, p["wo_a"], out_dtype=p["wo_a"].dtype)
+    z = grouped_linear(o.reshape(B * T, cfg.o_groups, H // cfg.o_groups * d), p["wo_a"])
     return linear(z.reshape(B, T, -1), p["wo_b"])
 
 

@@ -5,17 +5,58 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_fn.kernel_registry import call, register
+
 
 def matmul_precision(dtype):
     """float32 weights mean parity mode: force true fp32 matmuls (no TF32 on GPUs)."""
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w` with w stored [in, out]; fp32 accumulation, result in the weight's dtype."""
-    y = jnp.matmul(x.astype(w.dtype), w, precision=matmul_precision(w.dtype),
+def two_rows(x: jax.Array, axis: int = 0) -> jax.Array:
+    """x with a zero entry appended on `axis` (size 1 -> 2).
+
+    A dot whose activation side is a single row ([1, K] @ [K, N], K * N < 10M) is rewritten
+    by XLA:GPU into a multiply and a column reduction, unfused: the multiply writes an fp32
+    [K, N] copy of the weight that the reduction reads back (5x the weight's bytes, the
+    whole of a batch-1 decode step's GEMVs). Two rows keep it a GEMM, which streams the
+    weight once; the second row costs nothing and is sliced off."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, 1)
+    return jnp.pad(x, pad)
+
+
+@register("linear", "xla")
+def linear_xla(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`kernels.linear` in XLA: x [M, K] @ w [K, N] (a single row as two, `two_rows`)."""
+    x = x.astype(w.dtype)
+    single = x.shape[0] == 1
+    y = jnp.matmul(two_rows(x) if single else x, w, precision=matmul_precision(w.dtype),
                    preferred_element_type=jnp.float32)
-    return y.astype(w.dtype)
+    return (y[:1] if single else y).astype(w.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` with w stored [in, out]: x [..., K] -> [..., N]; fp32 accumulation, result in
+    the weight's dtype. The registry op `linear` (XLA, or a weight-streaming kernel for the
+    few rows of a decode step)."""
+    lead = x.shape[:-1]
+    y = call("linear", x.reshape(-1, x.shape[-1]).astype(w.dtype), w)
+    return y.reshape(*lead, w.shape[-1])
+
+
+@register("grouped_linear", "xla")
+def grouped_linear_xla(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`kernels.grouped_linear` in XLA: one einsum (a single row as two, `two_rows`)."""
+    single = x.shape[0] == 1
+    y = einsum("ngi,gir->ngr", two_rows(x) if single else x, w, out_dtype=w.dtype)
+    return y[:1] if single else y
+
+
+def grouped_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Per-group projections: x [M, G, I], w [G, I, R] -> [M, G, R], y[:, g] = x[:, g] @ w[g];
+    fp32 accumulation, result in w's dtype. The registry op `grouped_linear`."""
+    return call("grouped_linear", x, w)
 
 
 def operand_dtype(dtype):
