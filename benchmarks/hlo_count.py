@@ -75,6 +75,8 @@ class Module:
     computations: dict[str, list[Instr]]
     entry: str
     frames: dict[int, tuple[str, ...]]   # stack_frame_id -> files of its call stack, innermost first
+    frame_lines: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # the same stacks as "file:line"
 
 
 def _opcode(rhs: str) -> str:
@@ -102,6 +104,7 @@ def parse(text: str) -> Module:
     section = None
     files: dict[int, str] = {}
     locations: dict[int, int] = {}
+    line_of: dict[int, int] = {}
     frames_raw: dict[int, tuple[int, int]] = {}
     for line in text.splitlines():
         stripped = line.strip()
@@ -124,7 +127,9 @@ def parse(text: str) -> Module:
                     files[int(m2.group(1))] = m2.group(2)
             elif section == "FileLocations" and fm:
                 f = re.search(r"file_name_id=(\d+)", fm.group(2))
+                ln = re.search(r"\bline=(\d+)", fm.group(2))
                 locations[int(fm.group(1))] = int(f.group(1)) if f else 0
+                line_of[int(fm.group(1))] = int(ln.group(1)) if ln else 0
             elif section == "StackFrames" and fm:
                 loc = re.search(r"file_location_id=(\d+)", fm.group(2))
                 par = re.search(r"parent_frame_id=(\d+)", fm.group(2))
@@ -139,15 +144,17 @@ def parse(text: str) -> Module:
             comps[current].append(Instr(m.group(2), _opcode(m.group(3)), m.group(3)))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    frames = {}
+    frames, frame_lines = {}, {}
     for fid in frames_raw:       # printed parent_frame_id p names frame p - 1 (0: none)
-        chain, f = [], fid
+        chain, lines, f = [], [], fid
         while f in frames_raw and len(chain) < 64:
             loc, parent = frames_raw[f]
             chain.append(files.get(locations.get(loc, 0), ""))
+            lines.append(f"{_short(chain[-1])}:{line_of.get(loc, 0)}" if chain[-1] else "")
             f = parent - 1 if 0 < parent - 1 < f else 0
         frames[fid] = tuple(chain)
-    return Module(comps, entry, frames)
+        frame_lines[fid] = tuple(lines)
+    return Module(comps, entry, frames, frame_lines)
 
 
 def _backend_config(ins: Instr) -> dict:
@@ -237,6 +244,16 @@ def _source(ins: Instr, mod: Module) -> str:
         if f.startswith(COMPONENT_PREFIXES) and f not in HELPER_FILES:
             return f
     return chain[0]
+
+
+def source_line(ins: Instr, mod: Module, depth: int = 2) -> str:
+    """The model lines an instruction comes from: its innermost `depth` frames under
+    COMPONENT_PREFIXES outside HELPER_FILES, "file:line <- file:line" ("?" if none)."""
+    m = re.search(r"stack_frame_id=(\d+)", ins.text)
+    lines = mod.frame_lines.get(int(m.group(1)), ()) if m else ()
+    keep = [ln for ln in lines if ln.startswith(COMPONENT_PREFIXES)
+            and ln.rsplit(":", 1)[0] not in HELPER_FILES]
+    return " <- ".join(keep[:depth]) or "?"
 
 
 def _walk(mod: Module, comp: str, mult: int, acc, loops: list, depth: int, seen: tuple):
