@@ -69,7 +69,10 @@ def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, 
     scale = scale.astype(jnp.float32)
     pre = jax.nn.sigmoid(scale[0] * u[..., :n] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(scale[1] * u[..., n:2 * n] + base[n:2 * n])
-    comb_logits = scale[2] * u[..., 2 * n:] + base[2 * n:]
+    # The barrier keeps the affine map with the projection's reduction: fused into the
+    # Sinkhorn's Triton kernel instead, it needs the layer's slice of the stacked base and
+    # scale as kernels of their own (two per module inside a scanned layer group).
+    comb_logits = jax.lax.optimization_barrier(scale[2] * u[..., 2 * n:] + base[2 * n:])
     comb = sinkhorn(comb_logits.reshape(*u.shape[:-1], n, n), iters, hc_eps)
     return pre, post, comb
 
