@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_fn import kernels
-from deepinfer_fn.model.experts import routed_experts, swiglu
+from deepinfer_fn.model.experts import routed_experts, swiglu, unsort
 
 BATCH = ("dp", "ep")
 DISPATCHES = ("auto", "fixed", "ragged", "ragged_emulated")
@@ -108,7 +108,7 @@ def _local_expert_compute(rows, local_expert, w1, w3, w2, limit):
     xs = rows[order]
     h = swiglu(kernels.grouped_matmul(xs, w1, sizes), kernels.grouped_matmul(xs, w3, sizes), limit)
     ys = kernels.grouped_matmul(h, w2, sizes)
-    return jnp.zeros_like(ys).at[order].set(ys)
+    return unsort(ys, order)
 
 
 def _combine(per_slot, weights, dtype):
@@ -207,7 +207,7 @@ def _ep_ragged(x, idx, weights, w1, w3, w2, *, limit: float, ep: int, recv_rows:
                               w1, w3, w2, limit)
     back = a2a(y, jnp.zeros((n * k, d), y.dtype), recv_offsets, recv_sizes, sender_offsets,
                send_sizes, axis_name="ep")                                       # sorted order
-    per_slot = jnp.zeros_like(back).at[order].set(back).reshape(n, k, d)
+    per_slot = unsort(back, order).reshape(n, k, d)
     return _combine(per_slot, weights, x.dtype)
 
 
