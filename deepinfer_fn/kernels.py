@@ -78,7 +78,7 @@ def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks) -> jax.Arr
 
 
 def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: int,
-                    extra_keys=None, extra_bias=None) -> jax.Array:
+                    extra_keys=None, extra_bias=None, key_floor=None) -> jax.Array:
     """Attention of a chunk of new tokens over its sliding window, plus optional extra keys,
     one softmax with the sink logit (spec §2.8, §4): prefill chunks.
 
@@ -89,10 +89,13 @@ def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: in
     sinks [H] fp32. Key position s is visible to query t iff t - window < s <= t.
     extra_keys: [B,N,d] shared by a row's tokens (compressed rows) or [B,S,K,d] a list per
     token (selected rows), extra_bias [B,S,N|K] fp32 additive (0 / -inf).
+    key_floor [B] int32 (optional): window keys at positions below it are not visible
+    (V4.1 decoder bounded replay).
     Returns o [B,S,H,d] in kv's dtype; logits and softmax in fp32.
     """
     return call("chunk_attention", q, kv, start, n_new, ring_kv, ring_pos, sinks,
-                window=window, extra_keys=extra_keys, extra_bias=extra_bias)
+                window=window, extra_keys=extra_keys, extra_bias=extra_bias,
+                key_floor=key_floor)
 
 
 def top_k_rows(scores, visible, k: int) -> jax.Array:

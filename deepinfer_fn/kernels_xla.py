@@ -57,14 +57,17 @@ def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks):
     return out.astype(dtype)
 
 
-def _chunk_key_positions(start, n_new, ring_pos, s: int):
+def _chunk_key_positions(start, n_new, ring_pos, s: int, key_floor=None):
     """Key positions of the window sources, -1 where a key must never be visible: ring slots
-    holding a position at or past the chunk's start (stale or rolled back) and the chunk's
-    padding tokens. Returns (chunk positions [B,S], ring key positions [B,R], chunk key
-    positions [B,S])."""
+    holding a position at or past the chunk's start (stale or rolled back), the chunk's
+    padding tokens and keys below key_floor [B] (optional). Returns (chunk positions [B,S],
+    ring key positions [B,R], chunk key positions [B,S])."""
     positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
-    ring = jnp.where((ring_pos >= 0) & (ring_pos < start[:, None]), ring_pos, -1)
-    chunk = jnp.where(jnp.arange(s)[None] < n_new[:, None], positions, -1)
+    floor = jnp.zeros_like(start) if key_floor is None else key_floor
+    ring = jnp.where((ring_pos >= floor[:, None]) & (ring_pos >= 0)
+                     & (ring_pos < start[:, None]), ring_pos, -1)
+    chunk = jnp.where((jnp.arange(s)[None] < n_new[:, None]) & (positions >= floor[:, None]),
+                      positions, -1)
     return positions, ring, chunk
 
 
@@ -90,12 +93,12 @@ def _extra_values(probs, extra_keys, dtype):
 
 @register("chunk_attention", "xla_dense")
 def chunk_attention_dense(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
-                          extra_keys=None, extra_bias=None):
+                          extra_keys=None, extra_bias=None, key_floor=None):
     """`kernels.chunk_attention` with dense logits over every ring slot and chunk key (the
     formula as written; S x (R + S) logits). Opt-in: the oracle of the blocked "xla"."""
     dtype = kv.dtype
     s = q.shape[1]
-    positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s)
+    positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s, key_floor)
     keys = jnp.concatenate([ring_kv.astype(dtype), kv], axis=1)
     ok = _window_ok(positions, jnp.concatenate([ring, chunk], axis=1), window)
     scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
@@ -123,7 +126,7 @@ def chunk_block_size(window: int) -> int:
 
 @register("chunk_attention", "xla")
 def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
-                    extra_keys=None, extra_bias=None):
+                    extra_keys=None, extra_bias=None, key_floor=None):
     """`kernels.chunk_attention` in XLA, the window blocked: the chunk is cut into query
     blocks of Q = `chunk_block_size(window)` tokens, and block i attends to the R + Q keys
     E[iQ : iQ + R + Q] of E = [ring slots in position order | chunk keys] -- every key its
@@ -138,7 +141,7 @@ def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
     qb = chunk_block_size(window)
     nb = -(-s // qb)
     sp = nb * qb
-    positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s)
+    positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s, key_floor)
     order = (start[:, None] - r + jnp.arange(r, dtype=jnp.int32)) % r            # [B, R]
     ring_kv = jnp.take_along_axis(ring_kv.astype(dtype), order[..., None], axis=1)
     ring = jnp.take_along_axis(ring, order, axis=1)

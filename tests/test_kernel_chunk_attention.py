@@ -35,19 +35,22 @@ def _inputs(seed, b=3, s=37, h=4, d=16, r=11, window=8, n_extra=6, k_extra=5):
                 sinks=sinks, window=window), (shared, shared_bias), (per_token, per_token_bias)
 
 
-def _loop(a, extra):
+def _loop(a, extra, floor=None):
     """Brute force: each valid query's visible keys (ring slots before start, chunk tokens
-    before it, within the window), the extra keys, one softmax with the sink."""
+    before it, within the window, at or above the floor), the extra keys, one softmax with
+    the sink."""
     q, kv, start, n_new = a["q"], a["kv"], a["start"], a["n_new"]
+    floor = np.zeros_like(start) if floor is None else floor
     b, s, h, d = q.shape
     out = np.zeros_like(q)
     for bi in range(b):
         for j in range(n_new[bi]):
             t = start[bi] + j
             keys = [a["ring_kv"][bi, i] for i in range(a["ring_pos"].shape[1])
-                    if 0 <= a["ring_pos"][bi, i] < start[bi]
+                    if max(0, floor[bi]) <= a["ring_pos"][bi, i] < start[bi]
                     and t - a["window"] < a["ring_pos"][bi, i] <= t]
-            keys += [kv[bi, i] for i in range(j + 1) if start[bi] + i > t - a["window"]]
+            keys += [kv[bi, i] for i in range(j + 1)
+                     if start[bi] + i > t - a["window"] and start[bi] + i >= floor[bi]]
             bias = [0.0] * len(keys)
             if extra is not None:
                 ek, eb = extra
@@ -99,3 +102,20 @@ def test_chunk_attention_rejects_a_ring_shorter_than_the_window():
         kernels.implementation("chunk_attention", "xla")(
             *[jnp.asarray(a[k]) for k in ("q", "kv", "start", "n_new", "ring_kv", "ring_pos",
                                           "sinks")], window=a["window"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunk_attention_key_floor(impl):
+    """Window keys below key_floor are invisible (V4.1 decoder bounded replay): floors inside
+    the ring, inside the chunk and below everything."""
+    a, shared, _ = _inputs(3)
+    floor = np.array([9, 2, 0], np.int32)
+    with kernels.use("chunk_attention", impl):
+        got = np.asarray(kernels.chunk_attention(
+            *[jnp.asarray(a[k]) for k in ("q", "kv", "start", "n_new", "ring_kv", "ring_pos",
+                                          "sinks")], window=a["window"],
+            extra_keys=jnp.asarray(shared[0]), extra_bias=jnp.asarray(shared[1]),
+            key_floor=jnp.asarray(floor)))
+    want = _loop(a, shared, floor)
+    valid = np.arange(a["q"].shape[1])[None] < a["n_new"][:, None]
+    np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5)

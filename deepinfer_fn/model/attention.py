@@ -60,11 +60,11 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
     freqs = rope_frequencies(cfg, layer_type)
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
     q, c_q, kv = query_and_kv(p, x, cos, sin, cfg)
-    keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
+    rows = visible = None
     if layer_type in (CSA, HCA):
         ratio = cfg.compress_ratio_of(layer_type)
         rows = compress_sequence(p["compressor"], x, ratio, layer_type == CSA, freqs,
-                                 cfg.rms_norm_eps)
+                                 cfg.rms_norm_eps).astype(kv.dtype)
         visible = row_visibility(positions, rows.shape[1], ratio)
         if layer_type == CSA:
             ip = p["indexer"]
@@ -73,7 +73,31 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, index_rows)
             visible = select_top_k(scores, visible, cfg.index_topk)
-        keys = jnp.concatenate([kv, rows.astype(kv.dtype)], axis=1)
-        bias = jnp.concatenate([bias, jnp.where(visible, 0.0, NEG_INF)], axis=-1)
-    o = kernels.attention(q, keys, bias, p["sinks"])
+    if x.shape[1] > WINDOWED_MIN_TOKENS:
+        o = windowed(p, q, kv, rows, visible, cfg)
+    else:
+        keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
+        if rows is not None:
+            keys = jnp.concatenate([kv, rows], axis=1)
+            bias = jnp.concatenate([bias, jnp.where(visible, 0.0, NEG_INF)], axis=-1)
+        o = kernels.attention(q, keys, bias, p["sinks"])
     return output_projection(p, o, cos, sin, cfg)
+
+
+# Sequences longer than this attend through `kernels.chunk_attention` (the window in blocks:
+# T x 2W logits instead of T x T).
+WINDOWED_MIN_TOKENS = 16
+
+
+def windowed(p, q, kv, rows, visible, cfg: ModelConfig):
+    """Whole-sequence attention (q [B,T,H,d], kv [B,T,d]) as one chunk from position 0
+    against an empty window ring; rows [B,N,d] (or None) as extra keys under their
+    visibility / selection mask visible [B,T,N] bool."""
+    B, T = kv.shape[:2]
+    W = cfg.sliding_window
+    extra = {} if rows is None else dict(extra_keys=rows,
+                                         extra_bias=jnp.where(visible, 0.0, NEG_INF))
+    return kernels.chunk_attention(q, kv, jnp.zeros((B,), jnp.int32), jnp.full((B,), T, jnp.int32),
+                                   jnp.zeros((B, W, kv.shape[-1]), kv.dtype),
+                                   jnp.full((B, W), -1, jnp.int32), p["sinks"], window=W,
+                                   **extra)

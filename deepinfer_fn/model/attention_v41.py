@@ -25,7 +25,8 @@ from deepinfer_fn import kernels
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import latents as lat
 from deepinfer_fn.model import selection
-from deepinfer_fn.model.attention import kv_projection, output_projection, window_bias
+from deepinfer_fn.model.attention import (WINDOWED_MIN_TOKENS, kv_projection, output_projection,
+                                         window_bias, windowed)
 from deepinfer_fn.model.common import head_rms, linear, rms_norm
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 
@@ -94,18 +95,23 @@ def attention_sequence(p, x: jax.Array, positions: jax.Array, kind: str, shared:
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
     q, c_q = query(p, x, cos, sin, cfg)
     kv = kv_projection(p, x, cos, sin, cfg)
-    keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
+    rows = chosen = None
     if code:
         if "kv_source" in roles:
             shared = {**shared, "latents": {**shared["latents"],
                                             code: lat.publish(p, x, code, cfg)}}
         if "index_source" in roles:
             shared = select(p, c_q, x, positions, cos, sin, code, roles, shared, cfg)
-        rows = shared["latents"][code]["rows"]
-        keys = jnp.concatenate([kv, rows.astype(kv.dtype)], axis=1)
-        bias = jnp.concatenate(
-            [bias, jnp.where(shared["selected"][code], 0.0, NEG_INF).astype(jnp.float32)],
-            axis=-1)
-    o = kernels.attention(q, keys, bias, p["sinks"])
+        rows = shared["latents"][code]["rows"].astype(kv.dtype)
+        chosen = shared["selected"][code]
+    if x.shape[1] > WINDOWED_MIN_TOKENS:
+        o = windowed(p, q, kv, rows, chosen, cfg)
+    else:
+        keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
+        if code:
+            keys = jnp.concatenate([kv, rows], axis=1)
+            bias = jnp.concatenate(
+                [bias, jnp.where(chosen, 0.0, NEG_INF).astype(jnp.float32)], axis=-1)
+        o = kernels.attention(q, keys, bias, p["sinks"])
     return output_projection(p, o, cos, sin, cfg), shared
 

@@ -20,6 +20,7 @@ from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import latents as lat
 from deepinfer_fn.model.attention import kv_projection, output_projection
 from deepinfer_fn.model.attention_v41 import query, roles_of, select
+from deepinfer_fn.model.cached import DECODE_CHUNK_MAX, DENSE_ROWS_MAX
 from deepinfer_fn.model.common import rms_norm
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 from deepinfer_fn.model.selection import selected_rows
@@ -133,10 +134,24 @@ def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Arra
         if "index_source" in roles:
             shared = select(p, c_q, x, pos, cos, sin, code, roles, shared, cfg)
     bias = jnp.where(ok, 0.0, NEG_INF).astype(jnp.float32)
-    if code:
+    rows = shared["latents"][code]["rows"].astype(keys.dtype) if code else None
+    if S > DECODE_CHUNK_MAX:
+        # Prefill chunk: the window blocked (`kernels.chunk_attention`); the selected rows
+        # as a mask over every row while the buffer is small, else gathered per token.
+        extra = {}
+        if code and rows.shape[1] <= DENSE_ROWS_MAX:
+            extra = dict(extra_keys=rows,
+                         extra_bias=jnp.where(shared["selected"][code], 0.0, NEG_INF))
+        elif code:
+            row_idx = selected_rows(shared["selected"][code], cfg.index_topk)
+            extra = dict(extra_keys=jax.vmap(lambda r, i: r[i])(rows, jnp.maximum(row_idx, 0)),
+                         extra_bias=jnp.where(row_idx >= 0, 0.0, NEG_INF))
+        o = kernels.chunk_attention(q, kv.astype(keys.dtype), start, n_new, ls["window_kv"],
+                                    ls["window_pos"], p["sinks"], window=cfg.sliding_window,
+                                    key_floor=window_floor, **extra)
+    elif code:
         # Only the selected rows are read (at most index_topk per query), not the whole
         # buffer: the same softmax over window, selected rows and sink (§2.8).
-        rows = shared["latents"][code]["rows"].astype(keys.dtype)
         row_idx = selected_rows(shared["selected"][code], cfg.index_topk)
         o = kernels.sparse_attention(q, keys, bias, rows, row_idx, p["sinks"])
     else:
