@@ -349,3 +349,19 @@ def test_fixed_decode_loop_speculative_equals_generate():
     assert [o.tokens for o in outs] == want
     assert eng.last_run.mean_decode_steps > 1, eng.last_run
     assert len({min(t for t in (1, 2, 4, 8) if t >= k) for k in lengths}) >= 2, lengths
+
+
+def test_multi_step_speculative_loop_carries_no_pool():
+    """The multi-step verify call gathers the rows' state once: its device loop carries the
+    contiguous per-row state, never the paged state's pools (which a per-step gather and
+    scatter would read and write every iteration)."""
+    import re
+    eng = engine("mtp")
+    job = eng._substep_jobs(eng.decode_buckets[0], None)[-1]
+    assert job.kwargs["steps"] == eng.scheduler.decode_steps > 1
+    hlo = job.fn.lower(*job.args, **job.kwargs).compile().as_text()
+    loops = re.findall(r"= (\(.*?\)) while\(", hlo)
+    assert loops, "no device loop in the multi-step program"
+    pools = {f"[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(eng.state.pools)}
+    carried = [p for p in pools for loop in loops if p in loop]
+    assert not carried, carried

@@ -7,15 +7,16 @@ request-local verify-step counter `step` (the counter-based draft / accept / fin
 the drafter's own state `drafter` (any pytree with the slot axis leading: gathered and
 scattered by slot like the rings). The anchor is the slot's `last_token`.
 
-`spec_decode_packed`: ONE device call for a decode sub-batch of Db slots. It gathers the rows'
-target state (`step.gather_state`, positions P..) and drafter state, runs the step (budget =
-`left`, so the device never emits past max_new_tokens; verify-length policy "fixed", or
-"scheduled" for drafters with a confidence head: `schedule.padded_verify_len` from the
-confidences and the VerifyCost profile at this sub-batch's bucket size behind a traced flag, so
-fixed and dynamic engines of the same shapes share one program; the verify forward on 1 +
-max(ell) columns rounded up to a compiled width), scatters both back (rollback = the committed
-length moves to P + n_emit; the engine's window_slots >= sliding_window + γ) and sets
-last_token = the new anchor, left -= n_emit, step += 1.
+`spec_decode_packed`: ONE device call for a decode sub-batch of Db slots and up to `steps`
+verify steps. It gathers the rows' target state (`step.gather_state`, positions P..) and
+drafter state once, runs the steps on that contiguous copy (budget = `left`, so the device
+never emits past max_new_tokens; verify-length policy "fixed", or "scheduled" for drafters
+with a confidence head: `schedule.padded_verify_len` from the confidences and the VerifyCost
+profile at this sub-batch's bucket size behind a traced flag, so fixed and dynamic engines
+of the same shapes share one program; the verify forward on 1 + max(ell) columns rounded up
+to a compiled width), scatters both back once (rollback = the committed length moves to
+P + n_emit; the engine's window_slots >= sliding_window + γ) and sets last_token = the new
+anchor, left -= n_emit, step += 1 per step.
 
 Output int32 [Db, 2K + 4] (K = γ + 1): tokens, logprob f32 bits, n_emit, g, ell, new length.
 Rows with left = 0 (and padding rows) are inactive: nothing is written, n_emit = 0.
@@ -157,32 +158,10 @@ def schedule_args(drafter: Drafter, weights, k: int, verify_len: str, verify_cos
         jnp.float32(0), jnp.bool_(False))
 
 
-def _spec_decode_step(params, weights, state: PagedState, meta, fparams, bt, sched, *,
-                      drafter: Drafter, k: int, verify_len: VerifyLen):
-    """One verify step of the rows `meta` (slot max_batch: inactive). Returns (state, out int32
-    [Db, 2(k+1) + 4])."""
-    slot, row_floor = meta[:, 0], meta[:, 3]
-    sampling = unpack_sampling(meta, fparams)
-    sp = dict(state.spec)
-    P, left, step = _take(sp["length"], slot), _take(sp["left"], slot), _take(sp["step"], slot)
-    active = (slot < state.max_batch) & (left > 0)
-    anchor = _take(state.last_token, slot)
-    tstate = gather_state(state, slot, P, jnp.zeros_like(slot), bt,
-                          pad_id=params.config.engram_pad_token_id)
-    o = speculative_step(params, drafter, weights, tstate, _gather_drafter(sp["drafter"], slot),
-                         anchor, sampling, step, active, left, k=k, verify_len=verify_len,
-                         sched=sched, row_floor=row_floor)
-    n_new = jnp.where(active, o.ell + 1, 0)
-    state = scatter_state(state, o.state, slot, bt, P, n_new, row_floor, k + 1)
-    sp["drafter"] = _scatter_drafter(sp["drafter"], o.dstate, slot)
-    sp["length"] = _put(sp["length"], slot, P + o.n_emit)
-    sp["left"] = _put(sp["left"], slot, left - o.n_emit)
-    sp["step"] = _put(sp["step"], slot, step + active.astype(jnp.int32))
-    state = dataclasses.replace(state, spec=sp,
-                                last_token=_put(state.last_token, slot, o.anchor))
-    out = jnp.concatenate([o.tokens, jax.lax.bitcast_convert_type(o.logprobs, jnp.int32),
-                           jnp.stack([o.n_emit, o.g, o.ell, P + o.n_emit], axis=1)], axis=1)
-    return state, out
+def _step_out(o, P):
+    """One verify step's output columns: tokens, logprob f32 bits, n_emit, g, ell, new length."""
+    return jnp.concatenate([o.tokens, jax.lax.bitcast_convert_type(o.logprobs, jnp.int32),
+                            jnp.stack([o.n_emit, o.g, o.ell, P + o.n_emit], axis=1)], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "k", "verify_len", "steps",
@@ -194,24 +173,50 @@ def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, dra
     n_new column: each row's step count n_b <= steps); weights: the drafter's (or None); sched
     and verify_len: `schedule_args`; k = γ (drafts per step). Step i runs the rows with n_b > i
     (and budget left); the loop runs max(n_b) iterations, or with fixed_trips exactly `steps`
-    (as `step.decode_steps_packed`). Returns (state, out int32 [Db, steps, 2(k+1) + 4]);
-    entries of steps a row did not run are zero (n_emit = 0)."""
+    (as `step.decode_steps_packed`). The rows' target and drafter state is gathered once
+    before the loop and scattered once after it (the pages of every position a verify chunk
+    wrote); a row that does not step keeps everything (`speculative_step`). Returns (state,
+    out int32 [Db, steps, 2(k+1) + 4]); entries of steps a row did not run are zero
+    (n_emit = 0)."""
     assert steps >= 1, steps
     meta, fparams, bt, _ = unpack(packed, state.max_pages)
+    slot, row_floor = meta[:, 0], meta[:, 3]
     n_steps = meta[:, 2]
+    sampling = unpack_sampling(meta, fparams)
+    sp = dict(state.spec)
+    P0, left0, step0 = _take(sp["length"], slot), _take(sp["left"], slot), _take(sp["step"], slot)
+    real = slot < state.max_batch
+    tstate = gather_state(state, slot, P0, jnp.zeros_like(slot), bt,
+                          pad_id=params.config.engram_pad_token_id)
     width = 2 * (k + 1) + 4
 
     def body(i, carry):
-        state, out = carry
-        active = i < n_steps
-        m = meta.at[:, 0].set(jnp.where(active, meta[:, 0], state.max_batch))
-        state, step_out = _spec_decode_step(params, weights, state, m, fparams, bt, sched,
-                                            drafter=drafter, k=k, verify_len=verify_len)
-        step_out = jnp.where(active[:, None], step_out, 0)
-        return state, jax.lax.dynamic_update_slice(out, step_out[:, None], (0, i, 0))
+        tstate, dstate, anchor, left, step, written, out = carry
+        P = tstate.lengths
+        runs = i < n_steps
+        active = real & runs & (left > 0)
+        o = speculative_step(params, drafter, weights, tstate, dstate, anchor, sampling, step,
+                             active, left, k=k, verify_len=verify_len, sched=sched,
+                             row_floor=row_floor)
+        written = jnp.where(active, jnp.maximum(written, P + o.ell + 1), written)
+        step_out = jnp.where(runs[:, None], _step_out(o, P), 0)
+        out = jax.lax.dynamic_update_slice(out, step_out[:, None], (0, i, 0))
+        return (o.state, o.dstate, o.anchor, left - o.n_emit,
+                step + active.astype(jnp.int32), written, out)
 
-    out = jnp.zeros((meta.shape[0], steps, width), jnp.int32)
+    carry = (tstate, _gather_drafter(sp["drafter"], slot), _take(state.last_token, slot),
+             left0, step0, P0, jnp.zeros((meta.shape[0], steps, width), jnp.int32))
     if steps == 1:
-        return body(0, (state, out))
-    trips = steps if fixed_trips else jnp.minimum(jnp.max(n_steps), steps)
-    return jax.lax.fori_loop(0, trips, body, (state, out))
+        carry = body(0, carry)
+    else:
+        trips = steps if fixed_trips else jnp.minimum(jnp.max(n_steps), steps)
+        carry = jax.lax.fori_loop(0, trips, body, carry)
+    tstate, dstate, anchor, left, step, written, out = carry
+    state = scatter_state(state, tstate, slot, bt, P0, written - P0, row_floor, steps * (k + 1))
+    sp["drafter"] = _scatter_drafter(sp["drafter"], dstate, slot)
+    sp["length"] = _put(sp["length"], slot, tstate.lengths)
+    sp["left"] = _put(sp["left"], slot, left)
+    sp["step"] = _put(sp["step"], slot, step)
+    state = dataclasses.replace(state, spec=sp,
+                                last_token=_put(state.last_token, slot, anchor))
+    return state, out
