@@ -18,8 +18,8 @@ def two_rows(x: jax.Array, axis: int = 0) -> jax.Array:
 
     A dot whose activation side is a single row ([1, K] @ [K, N], K * N < 10M) is rewritten
     by XLA:GPU into a multiply and a column reduction, unfused: the multiply writes an fp32
-    [K, N] copy of the weight that the reduction reads back (5x the weight's bytes, the
-    whole of a batch-1 decode step's GEMVs). Two rows keep it a GEMM, which streams the
+    [K, N] copy of the weight that the reduction reads back (5x the weight's bytes in
+    every projection of a batch-1 decode step). Two rows keep it a GEMM, which streams the
     weight once; the second row costs nothing and is sliced off."""
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, 1)
