@@ -12,6 +12,10 @@ from deepinfer_fn.model.indexer import index_queries, index_scores, select_top_k
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 NEG_INF = -jnp.inf
+# Chunks and sequences of more than this many tokens (prefill, whole-sequence forward) attend
+# through `kernels.chunk_attention` (the window in blocks: T x 2W logits instead of T x T);
+# decode steps and verify chunks through the decode kernels.
+DECODE_CHUNK_MAX = 16
 
 
 def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
@@ -73,7 +77,7 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, index_rows)
             visible = select_top_k(scores, visible, cfg.index_topk)
-    if x.shape[1] > WINDOWED_MIN_TOKENS:
+    if x.shape[1] > DECODE_CHUNK_MAX:
         o = windowed(p, q, kv, rows, visible, cfg)
     else:
         keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
@@ -82,11 +86,6 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
             bias = jnp.concatenate([bias, jnp.where(visible, 0.0, NEG_INF)], axis=-1)
         o = kernels.attention(q, keys, bias, p["sinks"])
     return output_projection(p, o, cos, sin, cfg)
-
-
-# Sequences longer than this attend through `kernels.chunk_attention` (the window in blocks:
-# T x 2W logits instead of T x T).
-WINDOWED_MIN_TOKENS = 16
 
 
 def windowed(p, q, kv, rows, visible, cfg: ModelConfig):

@@ -25,7 +25,7 @@ from deepinfer_fn import kernels
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import latents as lat
 from deepinfer_fn.model import selection
-from deepinfer_fn.model.attention import (WINDOWED_MIN_TOKENS, kv_projection, output_projection,
+from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, kv_projection, output_projection,
                                          window_bias, windowed)
 from deepinfer_fn.model.common import head_rms, linear, rms_norm
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -104,7 +104,7 @@ def attention_sequence(p, x: jax.Array, positions: jax.Array, kind: str, shared:
             shared = select(p, c_q, x, positions, cos, sin, code, roles, shared, cfg)
         rows = shared["latents"][code]["rows"].astype(kv.dtype)
         chosen = shared["selected"][code]
-    if x.shape[1] > WINDOWED_MIN_TOKENS:
+    if x.shape[1] > DECODE_CHUNK_MAX:
         o = windowed(p, q, kv, rows, chosen, cfg)
     else:
         keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)

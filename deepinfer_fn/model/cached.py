@@ -20,15 +20,13 @@ import jax.numpy as jnp
 
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, ModelConfig
-from deepinfer_fn.model.attention import NEG_INF, output_projection, query_and_kv, window_bias
+from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, NEG_INF, output_projection,
+                                         query_and_kv, window_bias)
 from deepinfer_fn.model.compressor import finish_rows, pool_windows, project
 from deepinfer_fn.model.indexer import index_queries, index_scores, top_k_rows
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 
 
-# Chunks of more than this many tokens (prefill) attend through `kernels.chunk_attention`
-# (the window blocked); decode steps and verify chunks through the decode kernels.
-DECODE_CHUNK_MAX = 16
 # A prefill chunk of a CSA layer scores every compressed row, the unselected ones masked,
 # while the layer holds at most this many rows; beyond, each token's selection is gathered.
 DENSE_ROWS_MAX = 4096

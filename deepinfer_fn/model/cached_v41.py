@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from deepinfer_fn import kernels
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import latents as lat
-from deepinfer_fn.model.attention import kv_projection, output_projection
+from deepinfer_fn.model.attention import DECODE_CHUNK_MAX, kv_projection, output_projection
 from deepinfer_fn.model.attention_v41 import query, roles_of, select
-from deepinfer_fn.model.cached import DECODE_CHUNK_MAX, DENSE_ROWS_MAX
+from deepinfer_fn.model.cached import DENSE_ROWS_MAX
 from deepinfer_fn.model.common import rms_norm
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 from deepinfer_fn.model.selection import selected_rows
