@@ -5,6 +5,7 @@
   grouped_matmul    custom_calls.grouped_matmul.grouped_matmul_mgpu
   sparse_attention  custom_calls.sparse_attention.sparse_attention_mgpu
   mhc_pre/mhc_post  custom_calls.mhc.mhc_pre_mgpu / mhc_post_mgpu
+  sinkhorn          custom_calls.mhc.sinkhorn_mgpu
   attention         custom_calls.attention.attention_mgpu
   compressor_decode custom_calls.compressor.compressor_decode_mgpu  (opt-in: available() is False)
   linear            custom_calls.dense.linear_mgpu          (decode rows: M <= 64)
@@ -19,7 +20,7 @@ kernel does not support fall back to the XLA reference (`deepinfer_fn.kernels_xl
 from deepinfer_fn.kernel_registry import register
 from custom_calls.grouped_matmul import grouped_matmul_mgpu
 from custom_calls.sparse_attention import sparse_attention_mgpu
-from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu, mhc_prefers
+from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu, mhc_pre_prefers, mhc_prefers, sinkhorn_mgpu
 from custom_calls.attention import attention_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
 from custom_calls.dense import grouped_linear_mgpu, linear_mgpu
@@ -28,6 +29,7 @@ register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
 register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
 register("mhc_pre", "mosaic_gpu")(mhc_pre_mgpu)
 register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
+register("sinkhorn", "mosaic_gpu")(sinkhorn_mgpu)
 register("attention", "mosaic_gpu")(attention_mgpu)
 register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 register("linear", "mosaic_gpu")(linear_mgpu)
@@ -36,8 +38,10 @@ register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
 for _fn in (attention_mgpu, compressor_decode_mgpu):
     _fn.opt_in = True
-# The mHC kernels: chosen on narrow streams only (`mhc.prefers`).
-mhc_pre_mgpu.prefers = mhc_post_mgpu.prefers = mhc_prefers
+# The mHC post kernel: chosen on narrow streams only; the pre side picks its own path.
+mhc_post_mgpu.prefers = mhc_prefers
+mhc_pre_mgpu.prefers = mhc_pre_prefers
 
 __all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
+           "sinkhorn_mgpu",
            "attention_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu"]

@@ -39,7 +39,8 @@ from jax import lax
 
 from custom_calls._common import lowered_once, on_hopper, round_up
 from deepinfer_fn.model.common import rms_norm
-from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
+from deepinfer_fn.model.mhc_math import (collapse, expand, mhc_gate_logits, mhc_weights,
+                                         sinkhorn)
 
 TOK = 64        # tokens a CTA: the wgmma M
 COLS = 64       # stream columns a pipeline step (128 bytes of bf16: one swizzle atom)
@@ -58,6 +59,11 @@ def supported(streams) -> bool:
 # default model (4 x 256) stepped in 0.52 ms instead of 0.65 ms, `mini` (4 x 2048) in 3.08 ms
 # instead of 2.13 ms; both compiled in under half the time (the Sinkhorn leaves XLA's fusion).
 PREFER_MAX_STREAM_WIDTH = 1024
+
+
+def mhc_pre_prefers(streams, *args, **kwargs) -> bool:
+    """The pre side's kernels are chosen at every supported width (`choose_pre_path`)."""
+    return supported(streams)
 
 
 def mhc_prefers(streams, *args, **kwargs) -> bool:
@@ -114,28 +120,79 @@ def _gates(u, scale, base, n: int, iters: int, hc_eps: float):
     post = [2.0 * _sigmoid(scale[1] * u[n + j] + base[n + j]) for j in range(n)]
     m = [[scale[2] * u[2 * n + n * j + k] + base[2 * n + n * j + k] for k in range(n)]
          for j in range(n)]
-    # Row softmax + eps, then columns; then (rows, columns) iters - 1 times (§2.3 step 5).
+    return pre, post, _sinkhorn_vectors(m, n, iters, hc_eps)
+
+
+def _sinkhorn_vectors(m, n: int, iters: int, eps: float):
+    """Sinkhorn of per-token logits m[j][k] (token vectors): row softmax + eps, then columns;
+    then (rows, columns) iters - 1 times (§2.3 step 5). -> P[j][k]."""
     p = []
     for j in range(n):
         mx = functools.reduce(jnp.maximum, m[j])
         e = [jnp.exp(v - mx) for v in m[j]]
         s = functools.reduce(lambda a, b: a + b, e)
-        p.append([v / s + hc_eps for v in e])
+        p.append([v / s + eps for v in e])
 
     def cols(p):
-        c = [functools.reduce(lambda a, b: a + b, [p[j][k] for j in range(n)]) + hc_eps
+        c = [functools.reduce(lambda a, b: a + b, [p[j][k] for j in range(n)]) + eps
              for k in range(n)]
         return [[p[j][k] / c[k] for k in range(n)] for j in range(n)]
 
     def rows(p):
-        r = [functools.reduce(lambda a, b: a + b, p[j]) + hc_eps for j in range(n)]
+        r = [functools.reduce(lambda a, b: a + b, p[j]) + eps for j in range(n)]
         return [[p[j][k] / r[j] for k in range(n)] for j in range(n)]
 
     flat = lambda p: tuple(v for r in p for v in r)
     unflat = lambda f: [list(f[n * j:n * j + n]) for j in range(n)]
     # A loop inside the kernel is free of launches: no need to unroll it.
     p = lax.fori_loop(0, iters - 1, lambda _, f: flat(cols(rows(unflat(f)))), flat(cols(p)))
-    return pre, post, unflat(p)
+    return unflat(p)
+
+
+def _sinkhorn_call(lt, *, n: int, iters: int, eps: float):
+    """lt [n*n, blocks * 64] fp32 (logits^T, token-minor) -> P^T, same layout; one CTA a
+    64-token block, each token's n x n values as token vectors in registers."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    nn, width = lt.shape
+    row_l = plgpu.Layout.WGMMA.reduce(1)
+
+    def body(l_ref, o_ref, l_smem, o_smem, bar):
+        blk = lax.axis_index("b")
+        plgpu.copy_gmem_to_smem(l_ref.at[:, pl.ds(blk * TOK, TOK)], l_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        m = [[plgpu.load(l_smem.at[n * j + k], layout=row_l) for k in range(n)]
+             for j in range(n)]
+        p = _sinkhorn_vectors(m, n, iters, eps)
+        for j in range(n):
+            for k in range(n):
+                o_smem.at[n * j + k][...] = p[j][k]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[:, pl.ds(blk * TOK, TOK)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def entry(l_ref, o_ref):
+        pl.run_scoped(lambda *s: body(l_ref, o_ref, *s),
+                      plgpu.SMEM((nn, TOK), jnp.float32), plgpu.SMEM((nn, TOK), jnp.float32),
+                      plgpu.Barrier(num_barriers=1))
+
+    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((nn, width), jnp.float32),
+                        grid=(width // TOK,), grid_names=("b",))(lt)
+
+
+_sinkhorn_kernel = lowered_once(_sinkhorn_call, "n", "iters", "eps")
+
+
+def sinkhorn_mgpu(logits, *, iters: int, eps: float, interpret: bool = False):
+    """Registry signature of `sinkhorn`: logits [N, n, n] fp32 -> P [N, n, n] fp32."""
+    ntok, n, _ = logits.shape
+    if n * n > GATES:
+        return sinkhorn(logits, iters, eps)
+    width = round_up(max(ntok, 1), TOK)
+    lt = jnp.pad(logits.astype(jnp.float32).reshape(ntok, n * n).T, ((0, 0), (0, width - ntok)))
+    pt = _sinkhorn_kernel(lt, n=n, iters=iters, eps=eps, interpret=interpret)
+    return pt[:, :ntok].T.reshape(ntok, n, n)
 
 
 def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps: float,
@@ -249,18 +306,244 @@ def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps
 _pre_kernel = lowered_once(_pre_call, "n", "iters", "hc_eps", "norm_eps", "stages")
 
 
+def _mix_call(x2, fprep, *, n: int, splits: int, stages: int):
+    """Split-D pass 1, grid (token blocks, splits): CTA (b, s) takes columns [s*per, (s+1)*per)
+    of every stream. x2 [N, n*D] bf16, fprep [n*D, 64] bf16 -> partial u^T
+    [splits, 2 * GATES, blocks * 64] and partial Gram sums [splits, pairs, blocks * 64], fp32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ntok, nd = x2.shape
+    nk = nd // n // COLS
+    per = nk // splits
+    nblk = -(-ntok // TOK)
+    wgmma_l = plgpu.Layout.WGMMA
+    row_l = wgmma_l.reduce(1)
+    pairs = [(a, b) for a in range(n) for b in range(a, n)]
+    bf16_t = _bf16_transforms()
+    tshape = (TOK, COLS)
+
+    def mix_step(acc_ref, _, *refs):
+        *refs, carry = refs
+        xs, fs = refs[:n], refs[n:]
+        for j in range(n):
+            plgpu.wgmma(acc_ref, fs[j].transpose((1, 0)), xs[j].transpose((1, 0)))
+        xv = [plgpu.load(r, layout=wgmma_l).astype(jnp.float32) for r in xs]
+        out = tuple(g + (xv[a] * xv[b]).sum(axis=1) for g, (a, b) in zip(carry, pairs))
+        plgpu.wgmma_wait(0)
+        return out
+
+    def body(x_ref, f_ref, u_ref, g_ref):
+        blk = lax.axis_index("b")
+        base = lax.axis_index("s") * per
+        zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
+
+        def mix(acc_ref):
+            gram = plgpu.emit_pipeline(
+                functools.partial(mix_step, acc_ref), grid=(per,),
+                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + base + k),
+                                          transforms=bf16_t) for j in range(n)]
+                         + [plgpu.BlockSpec((COLS, 2 * GATES),
+                                            lambda k, j=j: (j * nk + base + k, 0),
+                                            transforms=bf16_t) for j in range(n)],
+                max_concurrent_steps=stages, init_carry=(zero,) * len(pairs),
+            )(*([x_ref] * n), *([f_ref] * n))
+            return acc_ref[...], gram
+
+        acc, gram = pl.run_scoped(mix, plgpu.ACC((2 * GATES, TOK), jnp.float32))
+
+        def store(u_smem, g_smem):
+            u_smem[...] = acc
+            for c, v in enumerate(gram):
+                g_smem.at[c][...] = v
+            plgpu.commit_smem()
+            split = lax.axis_index("s")
+            plgpu.copy_smem_to_gmem(u_smem, u_ref.at[split, :, pl.ds(blk * TOK, TOK)])
+            plgpu.copy_smem_to_gmem(g_smem, g_ref.at[split, :, pl.ds(blk * TOK, TOK)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((2 * GATES, TOK), jnp.float32),
+                      plgpu.SMEM((len(pairs), TOK), jnp.float32))
+
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((splits, 2 * GATES, nblk * TOK), jnp.float32),
+                  jax.ShapeDtypeStruct((splits, len(pairs), nblk * TOK), jnp.float32)),
+        grid=(nblk, splits),
+        grid_names=("b", "s"),
+    )(x2, fprep)
+
+
+def _tail_call(x2, part_u, part_g, norm_weight, base, scale, *, n: int, iters: int,
+               hc_eps: float, norm_eps: float, col_splits: int):
+    """Split-D pass 2, grid (token blocks, col_splits): each CTA sums the partials of its token
+    block, computes the gates (Sinkhorn included) and collapses its share of the columns.
+    -> h [N, D] bf16, gates^T [n_out, blocks * 64] fp32 (written by column split 0)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ntok, nd = x2.shape
+    d = nd // n
+    nk = d // COLS
+    per = nk // col_splits
+    splits = part_u.shape[0]
+    n_out = (2 + n) * n
+    nblk = -(-ntok // TOK)
+    wgmma_l = plgpu.Layout.WGMMA
+    row_l, col_l = wgmma_l.reduce(1), wgmma_l.reduce(0)
+    pairs = [(a, b) for a in range(n) for b in range(a, n)]
+    bf16_t = _bf16_transforms()
+    tshape = (TOK, COLS)
+
+    def bcast_rows(v):
+        return lax.broadcast_in_dim(v, tshape, [0])
+
+    def body(x_ref, pu_ref, pg_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
+        blk = lax.axis_index("b")
+        split = lax.axis_index("s")
+        zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
+
+        def add_step(_, u_smem, g_smem, carry):
+            us = tuple(c + plgpu.load(u_smem.at[0, r], layout=row_l)
+                       for r, c in zip(range(2 * GATES), carry[:2 * GATES]))
+            gs = tuple(c + plgpu.load(g_smem.at[0, r], layout=row_l)
+                       for r, c in zip(range(len(pairs)), carry[2 * GATES:]))
+            return us + gs
+
+        sums = plgpu.emit_pipeline(
+            add_step, grid=(splits,),
+            in_specs=[plgpu.BlockSpec((1, 2 * GATES, TOK), lambda s: (s, 0, blk)),
+                      plgpu.BlockSpec((1, len(pairs), TOK), lambda s: (s, 0, blk))],
+            max_concurrent_steps=2, init_carry=(zero,) * (2 * GATES + len(pairs)),
+        )(pu_ref, pg_ref)
+        acc, gram = sums[:2 * GATES], dict(zip(pairs, sums[2 * GATES:]))
+
+        def tail(g_smem, o_smem):
+            ssq = functools.reduce(lambda a, b: a + b, [gram[(j, j)] for j in range(n)])
+            inv_x = lax.rsqrt(ssq * (1.0 / nd) + norm_eps)
+            u = [(acc[c] + acc[GATES + c]) * inv_x for c in range(n_out)]
+            sc = [scale_ref[i] for i in range(3)]
+            bs = [base_ref[c] for c in range(n_out)]
+            pre, post, comb = _gates(u, sc, bs, n, iters, hc_eps)
+
+            @pl.when(split == 0)
+            def _():
+                for c, v in enumerate(pre + post + [comb[j][k] for j in range(n)
+                                                    for k in range(n)]):
+                    g_smem.at[c][...] = v
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(g_smem, g_ref.at[:, pl.ds(blk * TOK, TOK)])
+
+            ssq_h = functools.reduce(lambda a, b: a + b, [
+                (1.0 if a == b else 2.0) * pre[a] * pre[b] * gram[(a, b)] for a, b in pairs])
+            inv_h = bcast_rows(lax.rsqrt(ssq_h * (1.0 / d) + norm_eps))
+            pre_b = [bcast_rows(v) for v in pre]
+            first = split * per
+
+            def collapse_step(idx, *refs):
+                xs, w_smem = refs[:n], refs[n]
+                k = first + idx[0]
+                slot = lax.rem(idx[0], 2)
+                h = functools.reduce(lambda a, b: a + b, [
+                    pre_b[j] * plgpu.load(xs[j], layout=wgmma_l).astype(jnp.float32)
+                    for j in range(n)])
+                w = plgpu.load(w_smem, layout=col_l).astype(jnp.float32)
+                o = lax.broadcast_in_dim(w, tshape, [1]) * (_round(h, x_ref.dtype) * inv_h)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                o_smem.at[slot][...] = o.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[slot],
+                                        h_ref.at[pl.ds(blk * TOK, TOK), pl.ds(k * COLS, COLS)])
+
+            plgpu.emit_pipeline(
+                collapse_step, grid=(per,),
+                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + first + k),
+                                          transforms=bf16_t) for j in range(n)]
+                         + [plgpu.BlockSpec((COLS,), lambda k: (first + k,))],
+                max_concurrent_steps=2,
+            )(*([x_ref] * n), w_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(tail,
+                      plgpu.SMEM((n_out, TOK), jnp.float32),
+                      plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=bf16_t))
+
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((ntok, d), x2.dtype),
+                  jax.ShapeDtypeStruct((n_out, nblk * TOK), jnp.float32)),
+        grid=(nblk, col_splits),
+        grid_names=("b", "s"),
+    )(x2, part_u, part_g, norm_weight, base, scale)
+
+
+_mix_kernel = lowered_once(_mix_call, "n", "splits", "stages")
+_tail_kernel = lowered_once(_tail_call, "n", "iters", "hc_eps", "norm_eps", "col_splits")
+
+
+def choose_mix_splits(nblk: int, nk: int, num_sms: int = NUM_SMS) -> int:
+    """Column splits of the pre side's first pass: the largest divisor of the per-stream step
+    count that keeps at least two steps a CTA and at most one CTA an SM. 1 (the one-kernel
+    path) when the token blocks alone fill the GPU."""
+    best = 1
+    for sp in range(1, nk // 2 + 1):
+        if nk % sp == 0 and nblk * sp <= num_sms:
+            best = sp
+    return best
+
+
+# Token count from which wide streams take the split-D pair of kernels: below it (decode) the
+# pair's partial sums cost more latency than XLA's projection, and the pre side runs in XLA
+# with the Sinkhorn kernel ("hybrid").
+SPLIT_MIN_TOKENS = 2048
+
+
+def choose_pre_path(ntok: int, n: int, d: int) -> str:
+    """"one" (one kernel: narrow streams), "split" (two kernels: wide streams, many tokens) or
+    "hybrid" (XLA, Sinkhorn kernel)."""
+    if n * d <= PREFER_MAX_STREAM_WIDTH:
+        return "one"
+    return "split" if ntok >= SPLIT_MIN_TOKENS else "hybrid"
+
+
 def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: float,
-                 norm_eps: float, interpret: bool = False, stages: int = 3):
-    """Registry signature of `mhc_pre`; unsupported inputs go to the XLA reference."""
+                 norm_eps: float, interpret: bool = False, stages: int = 3,
+                 path: str | None = None, splits: int | None = None):
+    """Registry signature of `mhc_pre`; unsupported inputs go to the XLA reference.
+
+    path: "one" | "split" | "hybrid" (default `choose_pre_path`); splits: the split-D path's
+    column splits (default `choose_mix_splits`)."""
     if not supported(streams):
         pre, post, comb = mhc_weights(streams, fn, base, scale, n=streams.shape[-2],
                                       iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
         return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     ntok, n, d = streams.shape
+    path = path or choose_pre_path(ntok, n, d)
+    if path == "hybrid":
+        pre, post, logits = mhc_gate_logits(streams, fn, base, scale, n=n, hc_eps=hc_eps,
+                                            norm_eps=norm_eps)
+        comb = sinkhorn_mgpu(logits, iters=iters, eps=hc_eps, interpret=interpret)
+        return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     x2 = _pad_tokens(streams.reshape(ntok, n * d))
-    h, gt = _pre_kernel(x2, prepare_fn(fn), norm_weight, base.astype(jnp.float32),
-                        scale.astype(jnp.float32), n=n, iters=iters, hc_eps=hc_eps,
-                        norm_eps=norm_eps, stages=stages, interpret=interpret)
+    nblk, nk = -(-ntok // TOK), d // COLS
+    base, scale = base.astype(jnp.float32), scale.astype(jnp.float32)
+    if path == "one":
+        h, gt = _pre_kernel(x2, prepare_fn(fn), norm_weight, base, scale, n=n, iters=iters,
+                            hc_eps=hc_eps, norm_eps=norm_eps, stages=stages,
+                            interpret=interpret)
+    elif path == "split":
+        if splits is None:
+            splits = choose_mix_splits(nblk, nk, 4 if interpret else NUM_SMS)
+        if nk % splits:
+            raise ValueError(f"mhc_pre_mgpu: splits={splits} does not divide D/64={nk}")
+        part_u, part_g = _mix_kernel(x2, prepare_fn(fn), n=n, splits=splits,
+                                     stages=min(stages, nk // splits), interpret=interpret)
+        h, gt = _tail_kernel(x2, part_u, part_g, norm_weight, base, scale, n=n, iters=iters,
+                             hc_eps=hc_eps, norm_eps=norm_eps,
+                             col_splits=choose_splits(nblk, nk, 4 if interpret else NUM_SMS),
+                             interpret=interpret)
+    else:
+        raise ValueError(f"mhc_pre_mgpu: path {path!r} is not one of 'one', 'split', 'hybrid'")
     # Transposed back here; mhc_post_mgpu transposes again, and XLA cancels the pair.
     post = gt[n:2 * n, :ntok].T
     comb = gt[2 * n:, :ntok].T.reshape(ntok, n, n)
@@ -375,3 +658,4 @@ def mhc_post_mgpu(streams, y, post, comb, *, interpret: bool = False,
 
 mhc_pre_mgpu.available = on_hopper
 mhc_post_mgpu.available = on_hopper
+sinkhorn_mgpu.available = on_hopper

@@ -13,8 +13,10 @@ Backends:
               Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`,
               for `linear` / `grouped_linear` on at most 64 rows (decode projections: the
               weight streamed once, also out of a scanned layer stack), and for
-              `mhc_pre` / `mhc_post` on streams of n * D <= 1024 (`fn.prefers`: faster
-              than XLA there, slower on wider streams); `attention` and `compressor_decode`
+              `mhc_pre` (one kernel on streams of n * D <= 1024; on wider streams a
+              split-D pair of kernels from 2048 tokens, below that XLA with the Sinkhorn
+              kernel), `mhc_post` on n * D <= 1024 (`fn.prefers`), and `sinkhorn` (the
+              unrolled Sinkhorn is most of XLA's compile time of a layer); `attention` and `compressor_decode`
               are opt-in (`fn.opt_in = True`: no faster than XLA at decode sizes): force any of
               them with `use` or DEEPINFER_KERNELS, e.g. "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
   sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
@@ -24,6 +26,7 @@ Backends:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from deepinfer_fn import kernels_xla
 from deepinfer_fn.kernel_registry import (KernelUnavailable, call, choose, implementation,
@@ -35,13 +38,13 @@ compressor_row_finish = kernels_xla.compressor_row_finish
 
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
            "register_unbuilt", "use", "grouped_matmul", "attention", "sparse_attention",
-           "chunk_attention", "top_k_rows", "mhc_pre", "mhc_post", "compressor_decode",
+           "chunk_attention", "top_k_rows", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
            "compressor_row_finish", "linear", "grouped_linear"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
 _NO_CANN = "the Ascend backend needs CANN 9.2, which this build does not include"
-for _op in ("grouped_matmul", "attention", "sparse_attention", "mhc_pre", "mhc_post", "linear",
-            "grouped_linear"):
+for _op in ("grouped_matmul", "attention", "sparse_attention", "mhc_pre", "mhc_post", "sinkhorn",
+            "linear", "grouped_linear"):
     register_unbuilt(_op, "sm100", _NO_SM100)
     register_unbuilt(_op, "ascend", _NO_CANN)
 
@@ -137,6 +140,17 @@ def mhc_post(streams, y, post, comb) -> jax.Array:
         raise ValueError(f"mhc_post: shapes streams{streams.shape} y{y.shape} post{post.shape} "
                          f"comb{comb.shape}; want [N, n, D], [N, D], [N, n], [N, n, n]")
     return call("mhc_post", streams, y, post, comb)
+
+
+def sinkhorn(logits, *, iters: int, eps: float) -> jax.Array:
+    """The mHC mixing matrix from its logits (spec §2.3 step 5): row softmax + eps, then
+    alternate column / row normalisation (each sum + eps), `iters` column steps in all.
+
+    logits [N, n, n] fp32 -> P [N, n, n] fp32, columns summing to ~1.
+    """
+    if logits.ndim != 3 or logits.shape[1] != logits.shape[2] or iters < 1:
+        raise ValueError(f"sinkhorn: logits {logits.shape} must be [N, n, n], iters={iters} >= 1")
+    return call("sinkhorn", logits.astype(jnp.float32), iters=iters, eps=eps)
 
 
 def compressor_decode(x, position, params, rings, ratio: int, freqs, eps: float):

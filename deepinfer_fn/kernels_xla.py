@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from deepinfer_fn.kernel_registry import register
 from deepinfer_fn.model.common import einsum, linear, matmul_precision, operand_dtype, rms_norm
 from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
+from deepinfer_fn.model import mhc_math
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin
 
 
@@ -261,6 +262,12 @@ def mhc_pre(streams, fn, base, scale, norm_weight, *, iters, hc_eps, norm_eps):
     pre, post, comb = mhc_weights(streams, fn, base, scale, n=streams.shape[-2], iters=iters,
                                   hc_eps=hc_eps, norm_eps=norm_eps)
     return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
+
+
+@register("sinkhorn", "xla")
+def sinkhorn(logits, *, iters, eps):
+    """`kernels.sinkhorn` in XLA (`mhc_math.sinkhorn`, unrolled)."""
+    return mhc_math.sinkhorn(logits, iters, eps)
 
 
 @register("mhc_post", "xla")

@@ -16,7 +16,7 @@ from deepinfer_fn.model.common import rms_norm
 
 try:
     from custom_calls import _common
-    from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu
+    from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu, sinkhorn_mgpu
     _IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     _IMPORT_ERROR = e
@@ -68,21 +68,25 @@ def test_sublayer_helpers_keep_leading_axes():
     np.testing.assert_allclose(out, mhc.expand(streams, 2 * h, post, comb), rtol=1e-6, atol=1e-6)
 
 
-def test_registered_and_preferred_on_narrow_streams_only():
-    """The mHC kernels are in the GPU preference (where an sm_90 device is available) for
-    streams of n * D <= 1024 only; forcing them works at any width."""
-    from custom_calls.mhc import mhc_prefers
-    for op in ("mhc_pre", "mhc_post"):
+def test_registered_and_preferred():
+    """The mHC kernels are in the GPU preference where an sm_90 device is available: the pre
+    side (and the Sinkhorn) at every supported width, the post side for n * D <= 1024 only;
+    forcing them works at any width."""
+    from custom_calls.mhc import mhc_pre_prefers, mhc_prefers
+    for op, prefers in (("mhc_pre", mhc_pre_prefers), ("mhc_post", mhc_prefers),
+                        ("sinkhorn", None)):
         fn = kernels.implementation(op, "mosaic_gpu")
         assert {"xla", "mosaic_gpu", "sm100", "ascend"} <= set(kernels.implementations(op))
-        assert not getattr(fn, "opt_in", False) and fn.prefers is mhc_prefers
+        assert not getattr(fn, "opt_in", False) and getattr(fn, "prefers", None) is prefers
         assert kernels.choose(op, "cpu") == "xla"
         assert kernels.choose(op, "gpu") == ("mosaic_gpu" if fn.available() else "xla")
         with kernels.use(op, "mosaic_gpu"):
             assert kernels.choose(op, "gpu") == "mosaic_gpu"
-    narrow = jnp.zeros((16, 4, 256), jnp.bfloat16)
-    assert mhc_prefers(narrow) and not mhc_prefers(jnp.zeros((16, 4, 2048), jnp.bfloat16))
-    assert not mhc_prefers(narrow.astype(jnp.float32))          # unsupported: never preferred
+    narrow, wide = jnp.zeros((16, 4, 256), jnp.bfloat16), jnp.zeros((16, 4, 2048), jnp.bfloat16)
+    assert mhc_prefers(narrow) and not mhc_prefers(wide)
+    assert mhc_pre_prefers(narrow) and mhc_pre_prefers(wide)
+    for f in (mhc_prefers, mhc_pre_prefers):
+        assert not f(narrow.astype(jnp.float32))          # unsupported: never preferred
 
 
 def _ran_kernel(fn, *args) -> bool:
@@ -117,6 +121,59 @@ def test_mhc_kernels_interpret(ntok, d):
     want = kernels_xla.mhc_post(x, y, post0, comb0)
     assert out.dtype == jnp.bfloat16
     assert _rel(out, want) < 1e-3   # same bf16 roundings as the reference
+
+
+@needs_interpret
+@pytest.mark.parametrize("ntok,d,splits", [(1, 256, 2), (16, 256, 4), (130, 128, 2)])
+def test_mhc_pre_split_d_interpret(ntok, d, splits):
+    """The wide-stream pre side: partial mixing sums over column slices (one CTA each), then
+    gates and collapse per column split; against the XLA reference."""
+    x, fn, base, scale, w, _ = _inputs(ntok + d + splits, ntok, d, jnp.bfloat16)
+    pre = functools.partial(mhc_pre_mgpu, interpret=True, path="split", splits=splits, **KW)
+    text = str(jax.make_jaxpr(pre)(x, fn, base, scale, w))
+    assert text.count("mpmd_map") + text.count("pallas_call") >= 2      # both kernels ran
+    h, post, comb = pre(x, fn, base, scale, w)
+    h0, post0, comb0 = kernels_xla.mhc_pre(x, fn, base, scale, w, **KW)
+    assert h.dtype == jnp.bfloat16 and _rel(h, h0) < 1e-2
+    np.testing.assert_allclose(post, post0, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(comb, comb0, rtol=1e-4, atol=1e-5)
+
+
+@needs_interpret
+@pytest.mark.parametrize("ntok", [1, 70])
+def test_sinkhorn_kernel_interpret(ntok):
+    """The Sinkhorn kernel against the unrolled XLA form, on logits of a wide range (peaked
+    rows); and the pre side's hybrid path (XLA gates and collapse, this kernel) against the
+    reference."""
+    logits = jnp.asarray(np.random.default_rng(ntok).standard_normal((ntok, 4, 4)) * 4,
+                         jnp.float32)
+    assert _ran_kernel(functools.partial(sinkhorn_mgpu, iters=20, eps=1e-6, interpret=True),
+                       logits)
+    got = sinkhorn_mgpu(logits, iters=20, eps=1e-6, interpret=True)
+    np.testing.assert_allclose(got, kernels_xla.sinkhorn(logits, iters=20, eps=1e-6),
+                               rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(got).sum(axis=1), 1.0, atol=1e-4)   # columns
+    x, fn, base, scale, w, _ = _inputs(ntok, ntok, 128, jnp.bfloat16)
+    hyb = functools.partial(mhc_pre_mgpu, interpret=True, path="hybrid", **KW)
+    assert _ran_kernel(hyb, x, fn, base, scale, w)
+    for a, b in zip(hyb(x, fn, base, scale, w), kernels_xla.mhc_pre(x, fn, base, scale, w, **KW)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-6, atol=1e-6)
+
+
+def test_pre_path_choice():
+    from custom_calls.mhc import choose_mix_splits, choose_pre_path
+    assert choose_pre_path(16, 4, 256) == "one"
+    assert choose_pre_path(64, 4, 2048) == "hybrid" and choose_pre_path(4096, 4, 2048) == "split"
+    assert choose_mix_splits(64, 32) == 2 and choose_mix_splits(1, 64) == 32
+    with pytest.raises(ValueError, match="path"):
+        x, fn, base, scale, w, _ = _inputs(0, 2, 64, jnp.bfloat16)
+        mhc_pre_mgpu(x, fn, base, scale, w, path="nope", **KW)
+
+
+def test_sinkhorn_op_checks_shapes():
+    with pytest.raises(ValueError, match="sinkhorn"):
+        kernels.sinkhorn(jnp.zeros((3, 4, 2)), iters=20, eps=1e-6)
 
 
 def test_prepared_weights_keep_fp32_precision():

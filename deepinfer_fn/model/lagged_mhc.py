@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model.common import rms_norm
 from deepinfer_fn.model.mhc import sublayer_post
-from deepinfer_fn.model.mhc_math import collapse, mhc_weights
+from deepinfer_fn import kernels
+from deepinfer_fn.model.mhc_math import collapse, mhc_gate_logits
 
 
 def initial_pending(lead: tuple[int, ...], n: int) -> jax.Array:
@@ -33,8 +34,13 @@ def initial_pending(lead: tuple[int, ...], n: int) -> jax.Array:
 def statistics(hc, streams: jax.Array, cfg: ModelConfig):
     """(pre [..., n], post [..., n], comb [..., n, n]) fp32 of one mHC module on streams
     [..., n, D]; the flattened-RMS eps is rms_norm_eps (1e-20 for V4.1)."""
-    return mhc_weights(streams, hc["fn"], hc["base"], hc["scale"], n=cfg.hc_mult,
-                       iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    pre, post, logits = mhc_gate_logits(streams, hc["fn"], hc["base"], hc["scale"],
+                                        n=cfg.hc_mult, hc_eps=cfg.hc_eps,
+                                        norm_eps=cfg.rms_norm_eps)
+    n = cfg.hc_mult
+    comb = kernels.sinkhorn(logits.reshape(-1, n, n), iters=cfg.hc_sinkhorn_iters,
+                            eps=cfg.hc_eps)
+    return pre, post, comb.reshape(logits.shape)
 
 
 def _check(streams, pending, cfg: ModelConfig):

@@ -62,8 +62,9 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.swapaxes(t, -1, -2))
 
 
-def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float):
-    """(pre [..., n], post [..., n], comb [..., n, n]) of one mHC module, all fp32 (§2.3 1-5)."""
+def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps: float):
+    """(pre [..., n], post [..., n], Sinkhorn logits [..., n, n]) of one mHC module, fp32
+    (§2.3 steps 1-4)."""
     u = stream_logits(streams, fn, norm_eps)
     base = base.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
@@ -73,8 +74,14 @@ def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, 
     # Sinkhorn's Triton kernel instead, it needs the layer's slice of the stacked base and
     # scale as kernels of their own (two per module inside a scanned layer group).
     comb_logits = jax.lax.optimization_barrier(scale[2] * u[..., 2 * n:] + base[2 * n:])
-    comb = sinkhorn(comb_logits.reshape(*u.shape[:-1], n, n), iters, hc_eps)
-    return pre, post, comb
+    return pre, post, comb_logits.reshape(*u.shape[:-1], n, n)
+
+
+def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, norm_eps: float):
+    """(pre [..., n], post [..., n], comb [..., n, n]) of one mHC module, all fp32 (§2.3 1-5)."""
+    pre, post, logits = mhc_gate_logits(streams, fn, base, scale, n=n, hc_eps=hc_eps,
+                                        norm_eps=norm_eps)
+    return pre, post, sinkhorn(logits, iters, hc_eps)
 
 
 def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
