@@ -184,15 +184,29 @@ def _sinkhorn_call(lt, *, n: int, iters: int, eps: float):
 _sinkhorn_kernel = lowered_once(_sinkhorn_call, "n", "iters", "eps")
 
 
+def sinkhorn_layout(flat: jax.Array) -> jax.Array:
+    """The Sinkhorn kernel's input layout: logits [N, n*n] -> [n*n, N rounded up to 64] fp32
+    (token-minor, zero-padded)."""
+    ntok = flat.shape[0]
+    width = round_up(max(ntok, 1), TOK)
+    return jnp.pad(flat.astype(jnp.float32).T, ((0, 0), (0, width - ntok)))
+
+
+def sinkhorn_from_layout(lt: jax.Array, ntok: int, *, iters: int, eps: float,
+                         interpret: bool = False) -> jax.Array:
+    """The Sinkhorn kernel on logits in `sinkhorn_layout` -> P [ntok, n, n] fp32."""
+    n = int(round(lt.shape[0] ** 0.5))
+    pt = _sinkhorn_kernel(lt, n=n, iters=iters, eps=eps, interpret=interpret)
+    return pt[:, :ntok].T.reshape(ntok, n, n)
+
+
 def sinkhorn_mgpu(logits, *, iters: int, eps: float, interpret: bool = False):
     """Registry signature of `sinkhorn`: logits [N, n, n] fp32 -> P [N, n, n] fp32."""
     ntok, n, _ = logits.shape
     if n * n > GATES:
         return sinkhorn(logits, iters, eps)
-    width = round_up(max(ntok, 1), TOK)
-    lt = jnp.pad(logits.astype(jnp.float32).reshape(ntok, n * n).T, ((0, 0), (0, width - ntok)))
-    pt = _sinkhorn_kernel(lt, n=n, iters=iters, eps=eps, interpret=interpret)
-    return pt[:, :ntok].T.reshape(ntok, n, n)
+    return sinkhorn_from_layout(sinkhorn_layout(logits.reshape(ntok, n * n)), ntok, iters=iters,
+                                eps=eps, interpret=interpret)
 
 
 def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps: float,
@@ -520,9 +534,10 @@ def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: f
     ntok, n, d = streams.shape
     path = path or choose_pre_path(ntok, n, d)
     if path == "hybrid":
-        pre, post, logits = mhc_gate_logits(streams, fn, base, scale, n=n, hc_eps=hc_eps,
-                                            norm_eps=norm_eps)
-        comb = sinkhorn_mgpu(logits, iters=iters, eps=hc_eps, interpret=interpret)
+        # The logits leave the affine map's fusion already in the kernel's layout.
+        pre, post, lt = mhc_gate_logits(streams, fn, base, scale, n=n, hc_eps=hc_eps,
+                                        norm_eps=norm_eps, logits_layout=sinkhorn_layout)
+        comb = sinkhorn_from_layout(lt, ntok, iters=iters, eps=hc_eps, interpret=interpret)
         return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     x2 = _pad_tokens(streams.reshape(ntok, n * d))
     nblk, nk = -(-ntok // TOK), d // COLS

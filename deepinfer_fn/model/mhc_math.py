@@ -10,14 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_fn.model.common import einsum, rms
-
 
 def stream_logits(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    """u = fn . rms(flatten(X)) for every token: [..., n, D] -> [..., n_out], fp32."""
-    flat = streams.reshape(*streams.shape[:-2], -1)
-    z = rms(flat, eps)
-    return jnp.matmul(z, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    """u = fn . rms(flatten(X)) for every token: [..., n, D] -> [..., n_out], fp32.
+
+    The RMS factor is a scalar per token, applied after the projection: the same value up to
+    fp32 rounding, without an fp32 copy of the normalised streams (a kernel on a GPU)."""
+    xf = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return jnp.matmul(xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * inv
 
 
 def _slices(x: jax.Array, axis: int) -> list[jax.Array]:
@@ -62,9 +63,13 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.swapaxes(t, -1, -2))
 
 
-def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps: float):
+def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps: float,
+                    logits_layout=None):
     """(pre [..., n], post [..., n], Sinkhorn logits [..., n, n]) of one mHC module, fp32
-    (§2.3 steps 1-4)."""
+    (§2.3 steps 1-4).
+
+    logits_layout: if given, maps the logits [..., n*n] to the array returned in their place
+    (a kernel's input layout), inside the same fusion as the affine map."""
     u = stream_logits(streams, fn, norm_eps)
     base = base.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
@@ -73,7 +78,10 @@ def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps
     # The barrier keeps the affine map with the projection's reduction: fused into the
     # Sinkhorn's Triton kernel instead, it needs the layer's slice of the stacked base and
     # scale as kernels of their own (two per module inside a scanned layer group).
-    comb_logits = jax.lax.optimization_barrier(scale[2] * u[..., 2 * n:] + base[2 * n:])
+    comb_logits = scale[2] * u[..., 2 * n:] + base[2 * n:]
+    if logits_layout is not None:
+        return pre, post, jax.lax.optimization_barrier(logits_layout(comb_logits))
+    comb_logits = jax.lax.optimization_barrier(comb_logits)
     return pre, post, comb_logits.reshape(*u.shape[:-1], n, n)
 
 
