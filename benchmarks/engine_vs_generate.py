@@ -9,7 +9,7 @@ bucket N, prefix cache off), so both do the same prefills and decode steps. Comp
   plain    generate vs Engine(decode_steps=K) and Engine(decode_steps=1) (one step per call);
            `--engine-steps 8d,8f,1`: "Kf" / "Kd" add decode_loop="fixed" / "dynamic"; a
            trailing "s" ("8fs") compiles the single prefill shape (N, prompt) instead of the
-           ladder
+           ladder; then "a" + B ("8fa4") sets the engine's admit_batch to B
   dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); default
            model only (the `mini` preset has no trained drafter)
 
@@ -72,12 +72,15 @@ def generate_arm(params, rows, N, new, spec_kw):
     return lambda: np.concatenate([call(b) for b in batches])
 
 
-def parse_steps(steps: str) -> tuple[int, str | None, bool]:
-    """"8fs" -> (decode_steps 8, decode_loop "fixed", single prefill shape True)."""
-    m = re.fullmatch(r"(\d+)([fd]?)(s?)", steps)
+def parse_steps(steps: str) -> tuple[int, str | None, bool, int | None]:
+    """"8fsa4" -> (decode_steps 8, decode_loop "fixed", single prefill shape True,
+    admit_batch 4); each suffix optional."""
+    m = re.fullmatch(r"(\d+)([fd]?)(s?)(?:a(\d+))?", steps)
     if not m:
-        raise SystemExit(f"--engine-steps item {steps!r}: want K, Kf or Kd, optionally + 's'")
-    return int(m[1]), {"f": "fixed", "d": "dynamic"}.get(m[2]), bool(m[3])
+        raise SystemExit(f"--engine-steps item {steps!r}: want K, Kf or Kd, optionally + 's', "
+                         "then optionally 'a' + admit_batch")
+    return (int(m[1]), {"f": "fixed", "d": "dynamic"}.get(m[2]), bool(m[3]),
+            int(m[4]) if m[4] else None)
 
 
 def engine_for(params, rows, N, new, steps: str, spec_kw):
@@ -86,11 +89,11 @@ def engine_for(params, rows, N, new, steps: str, spec_kw):
     alone into a freed slot (speculative rows finish one by one) does not pay an N-row prefill;
     or (N, prompt) only."""
     P = rows.shape[1]
-    K, loop, single = parse_steps(steps)
+    K, loop, single, admit = parse_steps(steps)
     shapes = ((N, P),) if single else tuple((r, P) for r in sorted({1, 4, 16, N}) if r <= N)
     eng = Engine(params, max_batch=N, max_tokens_per_step=N * P + N, prefill_shapes=shapes,
                  decode_buckets=(N,), prefix_cache=False, max_len=P + new, progress=False,
-                 decode_steps=K, decode_loop=loop, **spec_kw)
+                 decode_steps=K, decode_loop=loop, admit_batch=admit, **spec_kw)
     eng.warmup()
     eng.generate(requests(rows[:N], new))
     return eng
@@ -138,7 +141,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: N = 4, 8 new tokens")
     ap.add_argument("--engine-steps", default=None,
                     help="comma list of decode_steps engines, 'Kf' / 'Kd' with decode_loop "
-                         "'fixed' / 'dynamic' (default: K,1; dspark leaves 1 out)")
+                         "'fixed' / 'dynamic', 's' a single prefill shape, 'aB' admit_batch B "
+                         "(default: K,1; dspark leaves 1 out)")
     ap.add_argument("--compiled-file", default=None, help="touched once everything compiled")
     ap.add_argument("--wait-for", nargs="*", default=[], help="files to wait for before timing")
     ap.add_argument("--done-file", default=None, help="touched after timing")

@@ -487,6 +487,48 @@ def test_decode_steps_round_down_to_compiled_loop_lengths():
     assert eng.scheduler.step_counts == tuple(range(1, 9))
 
 
+def test_admissions_come_in_batches_with_a_bounded_wait():
+    """admit_batch: while rows decode, waiting requests are admitted once that many slots are
+    free, and the plan runs until the rows that free them finish; a single free slot is
+    filled once it has waited decode_steps steps; with nothing decoding, at once."""
+    from deepinfer_fn.engine.scheduler import Scheduler, Seq
+
+    sched = Scheduler(max_batch=4, max_tokens_per_step=256, prefill_shapes=((4, 16),),
+                      page_size=4, max_pages=16, pages=PageAllocator(200), cache=None,
+                      replay_tokens=None, decode_steps=8, admit_batch=2)
+    for i in range(8):
+        r = Request(list(range(2, 10)), max_new_tokens=40, request_id=i)
+        sched.add(Seq(r, i, list(r.tokens), frozenset(), 0.0))
+    sched.schedule()
+    assert len(sched.running) == 4 and len(sched.waiting) == 4       # nothing decoded: at once
+    for k, seq in enumerate(sched.running):
+        seq.pos, seq.in_flight = len(seq.ext), 0
+        seq.generated = [5] * (40 - (3, 5, 20, 30)[k])               # tokens left: 3, 5, 20, 30
+    # no slot free: run until the second row finishes (2 slots), rounded down to a length
+    assert not sched.admit_now() and sched.plan_decode_steps() == 5
+    sched.finish(sched.running[0], "length")
+    assert len(sched.free_slots) == 1 and not sched.admit_now()     # one free: wait for two
+    assert sched.plan_decode_steps() == 5                            # until the next one frees
+    sched.slot_wait_steps = 6
+    assert sched.plan_decode_steps() == 2                            # the free slot's wait
+    sched.slot_wait_steps = 8
+    assert sched.admit_now() and sched.plan_decode_steps() == 1      # waited decode_steps
+    plan = sched.schedule()
+    assert len(sched.running) == 4 and sched.slot_wait_steps == 0 and plan.prefill
+    old = Scheduler(max_batch=4, max_tokens_per_step=256, prefill_shapes=((4, 16),),
+                    page_size=4, max_pages=16, pages=PageAllocator(200), cache=None,
+                    replay_tokens=None, decode_steps=8)
+    assert old.admit_batch == 1
+    eng = Engine(params(), max_batch=16, max_tokens_per_step=64, max_len=64, progress=False)
+    assert eng.scheduler.admit_batch == 1
+    eng = Engine(params(), max_batch=16, max_tokens_per_step=64, max_len=64, progress=False,
+                 admit_batch=4)
+    assert eng.scheduler.admit_batch == 4
+    with pytest.raises(ValueError, match="admit_batch"):
+        Engine(params(), max_batch=2, max_tokens_per_step=64, max_len=64, progress=False,
+               admit_batch=0)
+
+
 def test_fixed_trip_counts():
     from deepinfer_fn.engine.step import fixed_trip_counts
     assert fixed_trip_counts(1) == (1,)

@@ -14,9 +14,11 @@ Several decode steps per device call (`decode_steps`, default 8): while no reque
 prefilling, none could be admitted and none is constrained, a decode sub-batch runs up to
 `decode_steps` steps in one device loop (`step.decode_steps_packed`; speculative engines:
 `spec_step.spec_decode_packed(steps=)`), each row as many as it may still sample, so the host
-schedules, packs and collects once per K tokens. While requests wait for a slot, K stops at the
-first running request's max_new_tokens (its slot frees then), so a waiting request waits at
-most `decode_steps` steps longer than with one step per call. A row that samples a stop token
+schedules, packs and collects once per K tokens. While requests wait for a slot, they are
+admitted in batches (`admit_batch` free slots, or a free slot that has waited `decode_steps`
+steps) and K stops where the next batch's slots free (running requests reaching
+max_new_tokens), so a waiting request waits at most `decode_steps` steps longer than with one
+step per call. A row that samples a stop token
 inside a block runs to the block's end on the device; the host discards those tokens (as for
 the asynchronous lag below). Tokens are those of one step per call (same positions, same
 counter-based keys); `decode_steps=1` restores one step per call. On a GPU such a call loops
@@ -313,6 +315,10 @@ class Engine:
     known trip count, which XLA:GPU issues without a host read per iteration, so the call
     returns at once; one program per count and bucket); default: "fixed" on a GPU, else
     "dynamic" (on a CPU the masked iterations cost more than the host reads save);
+    admit_batch: while other requests decode, waiting ones are admitted once this many slots
+    are free, or once a free slot has waited `decode_steps` steps (default 1: at once), so
+    admissions and their prefill come in batches and decode calls stay longer when requests
+    finish at staggered steps (speculative decoding, stop tokens);
     async_scheduling: on by default; progress: a tqdm bar; measure_idle: record device idle
     time between steps;
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
@@ -346,7 +352,7 @@ class Engine:
                  measure_idle: bool = False, tokenizer=None, speculative: str | None = None,
                  drafter=None, num_draft_tokens: int | None = None, verify_len: str = "fixed",
                  verify_cost=None, verify_widths=None, decode_steps: int = 8,
-                 decode_loop: str | None = None,
+                 decode_loop: str | None = None, admit_batch: int | None = None,
                  decoder_swa_bounded_replay: bool | None = None):
         params, drafter, tokenizer = bundle.unpack(params, speculative=speculative,
                                                    drafter=drafter, tokenizer=tokenizer,
@@ -364,7 +370,8 @@ class Engine:
                         ("decode_steps", decode_steps)):
             positive_int("Engine", name, v)
         for name, v in (("max_len", max_len), ("num_pages", num_pages),
-                        ("prefill_chunk", prefill_chunk), ("window_slots", window_slots)):
+                        ("prefill_chunk", prefill_chunk), ("window_slots", window_slots),
+                        ("admit_batch", admit_batch)):
             if v is not None:
                 positive_int("Engine", name, v)
         if max_batch % n:
@@ -455,7 +462,8 @@ class Engine:
                                    decode_steps=decode_steps, shards=n,
                                    replay_align=2 if 2 in codes else 1,
                                    step_counts=(fixed_trip_counts(decode_steps)
-                                                if decode_loop == "fixed" else None))
+                                                if decode_loop == "fixed" else None),
+                                   admit_batch=admit_batch or 1)
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=n * num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)

@@ -148,13 +148,19 @@ class Scheduler:
                  pages: PageAllocator | list[PageAllocator],
                  cache: RadixCache | None | list[RadixCache | None], replay_tokens: int | None,
                  spec_width: int = 0, decode_steps: int = 1, shards: int = 1,
-                 replay_align: int = 1, step_counts: tuple[int, ...] | None = None):
+                 replay_align: int = 1, step_counts: tuple[int, ...] | None = None,
+                 admit_batch: int = 1):
         """pages / cache: a PageAllocator / RadixCache-or-None, or one per shard (lists).
         replay_align: a bounded replay starts at a multiple of it (V4.1 with code-2 sources:
         2, so the replay begins on a pair boundary). step_counts: the decode steps a device
         call may run (the compiled loop lengths of a fixed-count decode loop, 1 among them);
         a plan's count is rounded down to one of them, since a fixed loop runs the rounded-up
-        count in full (its masked steps cost a whole forward). None: any of 1..decode_steps."""
+        count in full (its masked steps cost a whole forward). None: any of 1..decode_steps.
+        admit_batch: while other rows decode, waiting requests are admitted once this many
+        slots are free (or as many as wait), or once a free slot has waited decode_steps
+        steps: admissions come in batches, so decode calls stay long when rows finish at
+        staggered steps (speculative decoding)."""
+        assert admit_batch >= 1, admit_batch
         assert replay_align >= 1 and page_size % replay_align == 0, (replay_align, page_size)
         assert decode_steps >= 1, decode_steps
         assert shards >= 1 and max_batch % shards == 0, (max_batch, shards)
@@ -165,6 +171,8 @@ class Scheduler:
         assert len(self.shard_pages) == len(self.shard_caches) == shards
         self.max_batch, self.budget = max_batch, max_tokens_per_step
         self.decode_steps = decode_steps      # most decode steps per device call (plain)
+        self.admit_batch = admit_batch
+        self.slot_wait_steps = 0              # steps a free slot has waited for admission
         self.step_counts = tuple(sorted(step_counts or range(1, decode_steps + 1)))
         assert self.step_counts[0] == 1 and self.step_counts[-1] <= decode_steps, step_counts
         self.prefill_shapes = tuple(prefill_shapes)
@@ -375,17 +383,30 @@ class Scheduler:
 
     def plan_decode_steps(self) -> int:
         """Decode steps for the next device call: `decode_steps` while no
-        request is prefilling, none could be admitted now and none is constrained (its mask
-        needs each token on the host); while requests wait for a slot, no more steps than
-        until the first running request reaches max_new_tokens (its slot frees then; a
-        speculative row is expected to get there at `spec_tokens_per_step` tokens per step),
+        request is prefilling, none is to be admitted now (`admit_now`) and none is
+        constrained (its mask needs each token on the host); while requests wait for a slot,
+        no more steps than until enough running requests reach max_new_tokens for the next
+        admission (`admit_batch` free slots; a speculative row is expected to get there at
+        `spec_tokens_per_step` tokens per step), and no more than a free slot may still wait,
         so a waiting request is delayed by at most `decode_steps` steps. The count is rounded
         down to one of `step_counts`."""
         return max(t for t in self.step_counts if t <= self._decode_steps_wanted())
 
+    def admit_now(self) -> bool:
+        """Whether waiting requests are admitted this step: a slot is free and no row decodes,
+        or `admit_batch` slots are free (as many as requests wait), or a free slot has waited
+        `decode_steps` steps."""
+        free = len(self.free_slots)
+        if not (self.waiting and free):
+            return False
+        if not any(s.finish is None and s.wants_decode() for s in self.running):
+            return True
+        return (free >= min(self.admit_batch, len(self.waiting))
+                or self.slot_wait_steps >= self.decode_steps)
+
     def _decode_steps_wanted(self) -> int:
         K = self.decode_steps
-        if K == 1 or (self.waiting and self.free_slots):
+        if K == 1 or self.admit_now():
             return 1
         live = [s for s in self.running if s.finish is None]
         if any(s.prefilling or s.matcher is not None for s in live):
@@ -394,9 +415,14 @@ class Scheduler:
             # speculative: a step emits 1..γ+1 tokens; a row is expected to free its slot
             # after (tokens left) / tau more steps, tau = tokens per step measured so far
             tau = self.spec_tokens_per_step()
-            left = [math.ceil((self._remaining(s) + s.in_flight - tau * s.in_flight) / tau)
-                    for s in live if s.wants_decode()]
-            K = min([K] + left)
+            left = sorted(math.ceil((self._remaining(s) + s.in_flight - tau * s.in_flight) / tau)
+                          for s in live if s.wants_decode())
+            free = len(self.free_slots)
+            need = max(1, min(self.admit_batch, len(self.waiting)) - free)
+            if left:
+                K = min(K, left[min(need, len(left)) - 1])
+            if free:
+                K = min(K, self.decode_steps - self.slot_wait_steps)
         return max(1, K)
 
     def spec_tokens_per_step(self) -> float:
@@ -413,6 +439,11 @@ class Scheduler:
         budget, ps, decode = self.budget, self.page_size, plan.decode
         cost = self.decode_cost
         K = plan.decode_steps = self.plan_decode_steps()
+        admit = self.admit_now()
+        if admit or not self.waiting:
+            self.slot_wait_steps = 0
+        elif self.free_slots:
+            self.slot_wait_steps += K
         for seq in list(self.running):
             if (len(decode) + 1) * cost > budget:
                 break
@@ -425,7 +456,7 @@ class Scheduler:
             if end <= len(seq.pages) * ps or self._allocate(seq, end, plan, may_preempt=True):
                 decode.append(Row(seq, seq.epoch, seq.pos, n, True, seq.shard))
         budget -= len(decode) * cost
-        if self.waiting and self.free_slots and budget > 0:
+        if admit and budget > 0:
             n_prefilling = sum(1 for s in self.running if s.pos < len(s.ext))
             while (self.waiting and self.free_slots and budget > 0
                    and n_prefilling < self.prefill_rows):
