@@ -10,15 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_fn.model.common import rms
+
 
 def stream_logits(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    """u = fn . rms(flatten(X)) for every token: [..., n, D] -> [..., n_out], fp32.
-
-    The RMS factor is a scalar per token, applied after the projection: the same value up to
-    fp32 rounding, without an fp32 copy of the normalised streams (a kernel on a GPU)."""
-    xf = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return jnp.matmul(xf, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * inv
+    """u = fn . rms(flatten(X)) for every token: [..., n, D] -> [..., n_out], fp32."""
+    flat = streams.reshape(*streams.shape[:-2], -1)
+    z = rms(flat, eps)
+    return jnp.matmul(z, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def _slices(x: jax.Array, axis: int) -> list[jax.Array]:
