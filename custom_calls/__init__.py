@@ -20,7 +20,8 @@ kernel does not support fall back to the XLA reference (`deepinfer_fn.kernels_xl
 from deepinfer_fn.kernel_registry import register
 from custom_calls.grouped_matmul import grouped_matmul_mgpu
 from custom_calls.sparse_attention import sparse_attention_mgpu
-from custom_calls.mhc import mhc_post_mgpu, mhc_pre_mgpu, mhc_pre_prefers, mhc_prefers, sinkhorn_mgpu
+from custom_calls.mhc import (mhc_post_mgpu, mhc_pre_mgpu, mhc_pre_prefers, mhc_prefers,
+                              sinkhorn_mgpu)
 from custom_calls.attention import attention_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
 from custom_calls.dense import grouped_linear_mgpu, linear_mgpu

@@ -192,10 +192,10 @@ def sinkhorn_layout(flat: jax.Array) -> jax.Array:
     return jnp.pad(flat.astype(jnp.float32).T, ((0, 0), (0, width - ntok)))
 
 
-def sinkhorn_from_layout(lt: jax.Array, ntok: int, *, iters: int, eps: float,
+def sinkhorn_from_layout(lt: jax.Array, ntok: int, *, n: int, iters: int, eps: float,
                          interpret: bool = False) -> jax.Array:
     """The Sinkhorn kernel on logits in `sinkhorn_layout` -> P [ntok, n, n] fp32."""
-    n = int(round(lt.shape[0] ** 0.5))
+    assert lt.shape[0] == n * n, (lt.shape, n)
     pt = _sinkhorn_kernel(lt, n=n, iters=iters, eps=eps, interpret=interpret)
     return pt[:, :ntok].T.reshape(ntok, n, n)
 
@@ -205,8 +205,112 @@ def sinkhorn_mgpu(logits, *, iters: int, eps: float, interpret: bool = False):
     ntok, n, _ = logits.shape
     if n * n > GATES:
         return sinkhorn(logits, iters, eps)
-    return sinkhorn_from_layout(sinkhorn_layout(logits.reshape(ntok, n * n)), ntok, iters=iters,
-                                eps=eps, interpret=interpret)
+    return sinkhorn_from_layout(sinkhorn_layout(logits.reshape(ntok, n * n)), ntok, n=n,
+                                iters=iters, eps=eps, interpret=interpret)
+
+
+def _pairs(n: int) -> list[tuple[int, int]]:
+    """The Gram matrix's upper-triangle entries (a <= b), in the kernels' order."""
+    return [(a, b) for a in range(n) for b in range(a, n)]
+
+
+def _mix_columns(acc_ref, x_ref, f_ref, *, n: int, nk: int, blk, first, count: int,
+                 stages: int):
+    """One token block's pipelined pass over 64-column steps [first, first + count) of each of
+    the n streams (nk steps a stream): u^T [64 gate columns (hi, lo), TOK] += F_j^T X_j^T into
+    the accumulator acc_ref; returns the Gram sums <X_a, X_b> over those columns (token
+    vectors, `_pairs` order)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    wgmma_l = plgpu.Layout.WGMMA
+    pairs = _pairs(n)
+    bf16_t = _bf16_transforms()
+
+    def step(_, *refs):
+        *refs, carry = refs
+        xs, fs = refs[:n], refs[n:]
+        for j in range(n):
+            plgpu.wgmma(acc_ref, fs[j].transpose((1, 0)), xs[j].transpose((1, 0)))
+        xv = [plgpu.load(r, layout=wgmma_l).astype(jnp.float32) for r in xs]
+        out = tuple(g + (xv[a] * xv[b]).sum(axis=1) for g, (a, b) in zip(carry, pairs))
+        plgpu.wgmma_wait(0)
+        return out
+
+    zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), wgmma_l.reduce(1))
+    return plgpu.emit_pipeline(
+        step, grid=(count,),
+        in_specs=[plgpu.BlockSpec((TOK, COLS), lambda k, j=j: (blk, j * nk + first + k),
+                                  transforms=bf16_t) for j in range(n)]
+                 + [plgpu.BlockSpec((COLS, 2 * GATES), lambda k, j=j: (j * nk + first + k, 0),
+                                    transforms=bf16_t) for j in range(n)],
+        max_concurrent_steps=stages, init_carry=(zero,) * len(pairs),
+    )(*([x_ref] * n), *([f_ref] * n))
+
+
+def _gates_and_inv_rms(u_hi_lo, gram, scale_ref, base_ref, *, n: int, d: int, iters: int,
+                       hc_eps: float, norm_eps: float):
+    """Per token, from the mixing sums (2 * GATES token vectors: hi then lo halves) and the Gram
+    sums (`_pairs` order): the gates (pre, post, comb) and the inverse RMS of the collapsed
+    stream, sum_jk pre_j pre_k G[j,k] / D."""
+    n_out = (2 + n) * n
+    gram = dict(zip(_pairs(n), gram))
+    ssq = functools.reduce(lambda a, b: a + b, [gram[(j, j)] for j in range(n)])
+    inv_x = lax.rsqrt(ssq * (1.0 / (n * d)) + norm_eps)
+    u = [(u_hi_lo[c] + u_hi_lo[GATES + c]) * inv_x for c in range(n_out)]
+    pre, post, comb = _gates(u, [scale_ref[i] for i in range(3)],
+                             [base_ref[c] for c in range(n_out)], n, iters, hc_eps)
+    ssq_h = functools.reduce(lambda a, b: a + b, [
+        (1.0 if a == b else 2.0) * pre[a] * pre[b] * gram[(a, b)] for a, b in gram])
+    return pre, post, comb, lax.rsqrt(ssq_h * (1.0 / d) + norm_eps)
+
+
+def _store_gates(g_smem, g_ref, blk, pre, post, comb):
+    """gates^T columns of the token block: pre, post, then comb row-major."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for c, v in enumerate(pre + post + [v for row in comb for v in row]):
+        g_smem.at[c][...] = v
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_smem, g_ref.at[:, pl.ds(blk * TOK, TOK)])
+
+
+def _collapse_columns(x_ref, w_ref, h_ref, o_smem, pre, inv_h, *, n: int, nk: int, blk, first,
+                      count: int):
+    """One token block's h = w * bf16(sum_j pre_j X_j) * inv_h over 64-column steps
+    [first, first + count), pipelined, stored through the two slots of o_smem."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    wgmma_l = plgpu.Layout.WGMMA
+    tshape = (TOK, COLS)
+    bcast_rows = lambda v: lax.broadcast_in_dim(v, tshape, [0])
+    pre_b = [bcast_rows(v) for v in pre]
+    inv_h = bcast_rows(inv_h)
+
+    def step(idx, *refs):
+        xs, w_smem = refs[:n], refs[n]
+        k = first + idx[0]
+        slot = lax.rem(idx[0], 2)
+        h = functools.reduce(lambda a, b: a + b, [
+            pre_b[j] * plgpu.load(xs[j], layout=wgmma_l).astype(jnp.float32) for j in range(n)])
+        w = plgpu.load(w_smem, layout=wgmma_l.reduce(0)).astype(jnp.float32)
+        o = lax.broadcast_in_dim(w, tshape, [1]) * (_round(h, x_ref.dtype) * inv_h)
+        # The store issued two steps ago read this slot: wait for it (one may stay).
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        o_smem.at[slot][...] = o.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[slot],
+                                h_ref.at[pl.ds(blk * TOK, TOK), pl.ds(k * COLS, COLS)])
+
+    plgpu.emit_pipeline(
+        step, grid=(count,),
+        in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + first + k),
+                                  transforms=_bf16_transforms()) for j in range(n)]
+                 + [plgpu.BlockSpec((COLS,), lambda k: (first + k,))],
+        max_concurrent_steps=2,
+    )(*([x_ref] * n), w_ref)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps: float,
@@ -220,93 +324,34 @@ def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps
     nk = d // COLS
     n_out = (2 + n) * n
     nblk = -(-ntok // TOK)
-    wgmma_l = plgpu.Layout.WGMMA
-    row_l, col_l = wgmma_l.reduce(1), wgmma_l.reduce(0)
-    pairs = [(a, b) for a in range(n) for b in range(a, n)]
-    bf16_t = _bf16_transforms()
-    tshape = (TOK, COLS)
-
-    def bcast_rows(v):      # token vector [TOK] -> [TOK, COLS]
-        return lax.broadcast_in_dim(v, tshape, [0])
-
-    def mix_step(acc_ref, _, *refs):
-        """u^T [64 gate columns (hi, lo), TOK] += F_j^T X_j^T; Gram sums in registers."""
-        *refs, carry = refs
-        xs, fs = refs[:n], refs[n:]
-        for j in range(n):
-            plgpu.wgmma(acc_ref, fs[j].transpose((1, 0)), xs[j].transpose((1, 0)))
-        xv = [plgpu.load(r, layout=wgmma_l).astype(jnp.float32) for r in xs]
-        out = tuple(g + (xv[a] * xv[b]).sum(axis=1) for g, (a, b) in zip(carry, pairs))
-        plgpu.wgmma_wait(0)
-        return out
+    row_l = plgpu.Layout.WGMMA.reduce(1)
+    kw = dict(n=n, d=d, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
     def body(x_ref, f_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
         blk = lax.axis_index("b")
-        zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
 
         def mix(acc_ref):
-            gram = plgpu.emit_pipeline(
-                functools.partial(mix_step, acc_ref), grid=(nk,),
-                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + k),
-                                          transforms=bf16_t) for j in range(n)]
-                         + [plgpu.BlockSpec((COLS, 2 * GATES), lambda k, j=j: (j * nk + k, 0),
-                                            transforms=bf16_t) for j in range(n)],
-                max_concurrent_steps=stages, init_carry=(zero,) * len(pairs),
-            )(*([x_ref] * n), *([f_ref] * n))
+            gram = _mix_columns(acc_ref, x_ref, f_ref, n=n, nk=nk, blk=blk, first=0, count=nk,
+                                stages=stages)
             return acc_ref[...], gram
 
         acc, gram = pl.run_scoped(mix, plgpu.ACC((2 * GATES, TOK), jnp.float32))
-        gram = dict(zip(pairs, gram))
 
         def tail(u_smem, g_smem, o_smem):
+            # u^T through shared memory: each gate column back as a token vector
             u_smem[...] = acc
             plgpu.commit_smem()
-            ssq = functools.reduce(lambda a, b: a + b, [gram[(j, j)] for j in range(n)])
-            inv_x = lax.rsqrt(ssq * (1.0 / nd) + norm_eps)
-            u = [(plgpu.load(u_smem.at[c], layout=row_l)
-                  + plgpu.load(u_smem.at[GATES + c], layout=row_l)) * inv_x for c in range(n_out)]
-            sc = [scale_ref[i] for i in range(3)]
-            bs = [base_ref[c] for c in range(n_out)]
-            pre, post, comb = _gates(u, sc, bs, n, iters, hc_eps)
-            for c, v in enumerate(pre + post + [comb[j][k] for j in range(n) for k in range(n)]):
-                g_smem.at[c][...] = v
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(g_smem, g_ref.at[:, pl.ds(blk * TOK, TOK)])
-
-            ssq_h = functools.reduce(lambda a, b: a + b, [
-                (1.0 if a == b else 2.0) * pre[a] * pre[b] * gram[(a, b)] for a, b in pairs])
-            inv_h = bcast_rows(lax.rsqrt(ssq_h * (1.0 / d) + norm_eps))
-            pre_b = [bcast_rows(v) for v in pre]
-
-            def collapse_step(idx, *refs):
-                xs, w_smem = refs[:n], refs[n]
-                k = idx[0]
-                slot = lax.rem(k, 2)
-                h = functools.reduce(lambda a, b: a + b, [
-                    pre_b[j] * plgpu.load(xs[j], layout=wgmma_l).astype(jnp.float32)
-                    for j in range(n)])
-                w = plgpu.load(w_smem, layout=col_l).astype(jnp.float32)
-                o = lax.broadcast_in_dim(w, tshape, [1]) * (_round(h, x_ref.dtype) * inv_h)
-                # The store issued two steps ago read this slot: wait for it (one may stay).
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_smem.at[slot][...] = o.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[slot],
-                                        h_ref.at[pl.ds(blk * TOK, TOK), pl.ds(k * COLS, COLS)])
-
-            plgpu.emit_pipeline(
-                collapse_step, grid=(nk,),
-                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + k),
-                                          transforms=bf16_t) for j in range(n)]
-                         + [plgpu.BlockSpec((COLS,), lambda k: (k,))],
-                max_concurrent_steps=2,
-            )(*([x_ref] * n), w_ref)
-            plgpu.wait_smem_to_gmem(0)
+            u = [plgpu.load(u_smem.at[c], layout=row_l) if c % GATES < n_out else None
+                 for c in range(2 * GATES)]
+            pre, post, comb, inv_h = _gates_and_inv_rms(u, gram, scale_ref, base_ref, **kw)
+            _store_gates(g_smem, g_ref, blk, pre, post, comb)
+            _collapse_columns(x_ref, w_ref, h_ref, o_smem, pre, inv_h, n=n, nk=nk, blk=blk,
+                              first=0, count=nk)
 
         pl.run_scoped(tail,
                       plgpu.SMEM((2 * GATES, TOK), jnp.float32),
                       plgpu.SMEM((n_out, TOK), jnp.float32),
-                      plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=bf16_t))
+                      plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=_bf16_transforms()))
 
     return plgpu.kernel(
         body,
@@ -331,37 +376,14 @@ def _mix_call(x2, fprep, *, n: int, splits: int, stages: int):
     nk = nd // n // COLS
     per = nk // splits
     nblk = -(-ntok // TOK)
-    wgmma_l = plgpu.Layout.WGMMA
-    row_l = wgmma_l.reduce(1)
-    pairs = [(a, b) for a in range(n) for b in range(a, n)]
-    bf16_t = _bf16_transforms()
-    tshape = (TOK, COLS)
-
-    def mix_step(acc_ref, _, *refs):
-        *refs, carry = refs
-        xs, fs = refs[:n], refs[n:]
-        for j in range(n):
-            plgpu.wgmma(acc_ref, fs[j].transpose((1, 0)), xs[j].transpose((1, 0)))
-        xv = [plgpu.load(r, layout=wgmma_l).astype(jnp.float32) for r in xs]
-        out = tuple(g + (xv[a] * xv[b]).sum(axis=1) for g, (a, b) in zip(carry, pairs))
-        plgpu.wgmma_wait(0)
-        return out
+    npairs = len(_pairs(n))
 
     def body(x_ref, f_ref, u_ref, g_ref):
-        blk = lax.axis_index("b")
-        base = lax.axis_index("s") * per
-        zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
+        blk, split = lax.axis_index("b"), lax.axis_index("s")
 
         def mix(acc_ref):
-            gram = plgpu.emit_pipeline(
-                functools.partial(mix_step, acc_ref), grid=(per,),
-                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + base + k),
-                                          transforms=bf16_t) for j in range(n)]
-                         + [plgpu.BlockSpec((COLS, 2 * GATES),
-                                            lambda k, j=j: (j * nk + base + k, 0),
-                                            transforms=bf16_t) for j in range(n)],
-                max_concurrent_steps=stages, init_carry=(zero,) * len(pairs),
-            )(*([x_ref] * n), *([f_ref] * n))
+            gram = _mix_columns(acc_ref, x_ref, f_ref, n=n, nk=nk, blk=blk, first=split * per,
+                                count=per, stages=stages)
             return acc_ref[...], gram
 
         acc, gram = pl.run_scoped(mix, plgpu.ACC((2 * GATES, TOK), jnp.float32))
@@ -371,18 +393,17 @@ def _mix_call(x2, fprep, *, n: int, splits: int, stages: int):
             for c, v in enumerate(gram):
                 g_smem.at[c][...] = v
             plgpu.commit_smem()
-            split = lax.axis_index("s")
             plgpu.copy_smem_to_gmem(u_smem, u_ref.at[split, :, pl.ds(blk * TOK, TOK)])
             plgpu.copy_smem_to_gmem(g_smem, g_ref.at[split, :, pl.ds(blk * TOK, TOK)])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(store, plgpu.SMEM((2 * GATES, TOK), jnp.float32),
-                      plgpu.SMEM((len(pairs), TOK), jnp.float32))
+                      plgpu.SMEM((npairs, TOK), jnp.float32))
 
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((splits, 2 * GATES, nblk * TOK), jnp.float32),
-                  jax.ShapeDtypeStruct((splits, len(pairs), nblk * TOK), jnp.float32)),
+                  jax.ShapeDtypeStruct((splits, npairs, nblk * TOK), jnp.float32)),
         grid=(nblk, splits),
         grid_names=("b", "s"),
     )(x2, fprep)
@@ -403,84 +424,40 @@ def _tail_call(x2, part_u, part_g, norm_weight, base, scale, *, n: int, iters: i
     splits = part_u.shape[0]
     n_out = (2 + n) * n
     nblk = -(-ntok // TOK)
-    wgmma_l = plgpu.Layout.WGMMA
-    row_l, col_l = wgmma_l.reduce(1), wgmma_l.reduce(0)
-    pairs = [(a, b) for a in range(n) for b in range(a, n)]
-    bf16_t = _bf16_transforms()
-    tshape = (TOK, COLS)
-
-    def bcast_rows(v):
-        return lax.broadcast_in_dim(v, tshape, [0])
+    npairs = len(_pairs(n))
+    row_l = plgpu.Layout.WGMMA.reduce(1)
+    kw = dict(n=n, d=d, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
     def body(x_ref, pu_ref, pg_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
-        blk = lax.axis_index("b")
-        split = lax.axis_index("s")
+        blk, split = lax.axis_index("b"), lax.axis_index("s")
         zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
 
         def add_step(_, u_smem, g_smem, carry):
-            us = tuple(c + plgpu.load(u_smem.at[0, r], layout=row_l)
-                       for r, c in zip(range(2 * GATES), carry[:2 * GATES]))
-            gs = tuple(c + plgpu.load(g_smem.at[0, r], layout=row_l)
-                       for r, c in zip(range(len(pairs)), carry[2 * GATES:]))
-            return us + gs
+            rows = [u_smem.at[0, r] for r in range(2 * GATES)] + \
+                   [g_smem.at[0, r] for r in range(npairs)]
+            return tuple(c + plgpu.load(r, layout=row_l) for r, c in zip(rows, carry))
 
         sums = plgpu.emit_pipeline(
             add_step, grid=(splits,),
             in_specs=[plgpu.BlockSpec((1, 2 * GATES, TOK), lambda s: (s, 0, blk)),
-                      plgpu.BlockSpec((1, len(pairs), TOK), lambda s: (s, 0, blk))],
-            max_concurrent_steps=2, init_carry=(zero,) * (2 * GATES + len(pairs)),
+                      plgpu.BlockSpec((1, npairs, TOK), lambda s: (s, 0, blk))],
+            max_concurrent_steps=2, init_carry=(zero,) * (2 * GATES + npairs),
         )(pu_ref, pg_ref)
-        acc, gram = sums[:2 * GATES], dict(zip(pairs, sums[2 * GATES:]))
 
         def tail(g_smem, o_smem):
-            ssq = functools.reduce(lambda a, b: a + b, [gram[(j, j)] for j in range(n)])
-            inv_x = lax.rsqrt(ssq * (1.0 / nd) + norm_eps)
-            u = [(acc[c] + acc[GATES + c]) * inv_x for c in range(n_out)]
-            sc = [scale_ref[i] for i in range(3)]
-            bs = [base_ref[c] for c in range(n_out)]
-            pre, post, comb = _gates(u, sc, bs, n, iters, hc_eps)
+            pre, post, comb, inv_h = _gates_and_inv_rms(sums[:2 * GATES], sums[2 * GATES:],
+                                                        scale_ref, base_ref, **kw)
 
             @pl.when(split == 0)
             def _():
-                for c, v in enumerate(pre + post + [comb[j][k] for j in range(n)
-                                                    for k in range(n)]):
-                    g_smem.at[c][...] = v
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(g_smem, g_ref.at[:, pl.ds(blk * TOK, TOK)])
+                _store_gates(g_smem, g_ref, blk, pre, post, comb)
 
-            ssq_h = functools.reduce(lambda a, b: a + b, [
-                (1.0 if a == b else 2.0) * pre[a] * pre[b] * gram[(a, b)] for a, b in pairs])
-            inv_h = bcast_rows(lax.rsqrt(ssq_h * (1.0 / d) + norm_eps))
-            pre_b = [bcast_rows(v) for v in pre]
-            first = split * per
-
-            def collapse_step(idx, *refs):
-                xs, w_smem = refs[:n], refs[n]
-                k = first + idx[0]
-                slot = lax.rem(idx[0], 2)
-                h = functools.reduce(lambda a, b: a + b, [
-                    pre_b[j] * plgpu.load(xs[j], layout=wgmma_l).astype(jnp.float32)
-                    for j in range(n)])
-                w = plgpu.load(w_smem, layout=col_l).astype(jnp.float32)
-                o = lax.broadcast_in_dim(w, tshape, [1]) * (_round(h, x_ref.dtype) * inv_h)
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_smem.at[slot][...] = o.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[slot],
-                                        h_ref.at[pl.ds(blk * TOK, TOK), pl.ds(k * COLS, COLS)])
-
-            plgpu.emit_pipeline(
-                collapse_step, grid=(per,),
-                in_specs=[plgpu.BlockSpec(tshape, lambda k, j=j: (blk, j * nk + first + k),
-                                          transforms=bf16_t) for j in range(n)]
-                         + [plgpu.BlockSpec((COLS,), lambda k: (first + k,))],
-                max_concurrent_steps=2,
-            )(*([x_ref] * n), w_ref)
-            plgpu.wait_smem_to_gmem(0)
+            _collapse_columns(x_ref, w_ref, h_ref, o_smem, pre, inv_h, n=n, nk=nk, blk=blk,
+                              first=split * per, count=per)
 
         pl.run_scoped(tail,
                       plgpu.SMEM((n_out, TOK), jnp.float32),
-                      plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=bf16_t))
+                      plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=_bf16_transforms()))
 
     return plgpu.kernel(
         body,
@@ -537,7 +514,8 @@ def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: f
         # The logits leave the affine map's fusion already in the kernel's layout.
         pre, post, lt = mhc_gate_logits(streams, fn, base, scale, n=n, hc_eps=hc_eps,
                                         norm_eps=norm_eps, logits_layout=sinkhorn_layout)
-        comb = sinkhorn_from_layout(lt, ntok, iters=iters, eps=hc_eps, interpret=interpret)
+        comb = sinkhorn_from_layout(lt, ntok, n=n, iters=iters, eps=hc_eps,
+                                    interpret=interpret)
         return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     x2 = _pad_tokens(streams.reshape(ntok, n * d))
     nblk, nk = -(-ntok // TOK), d // COLS

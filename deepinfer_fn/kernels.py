@@ -16,9 +16,10 @@ Backends:
               `mhc_pre` (one kernel on streams of n * D <= 1024; on wider streams a
               split-D pair of kernels from 2048 tokens, below that XLA with the Sinkhorn
               kernel), `mhc_post` on n * D <= 1024 (`fn.prefers`), and `sinkhorn` (the
-              unrolled Sinkhorn is most of XLA's compile time of a layer); `attention` and `compressor_decode`
-              are opt-in (`fn.opt_in = True`: no faster than XLA at decode sizes): force any of
-              them with `use` or DEEPINFER_KERNELS, e.g. "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
+              unrolled Sinkhorn is most of XLA's compile time of a layer); `attention` and
+              `compressor_decode` are opt-in (`fn.opt_in = True`: no faster than XLA at
+              decode sizes): force any of them with `use` or DEEPINFER_KERNELS, e.g.
+              "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu".
   sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
   ascend      Huawei Ascend dispatch point: needs CANN 9.2, not built.
 """

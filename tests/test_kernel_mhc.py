@@ -198,13 +198,17 @@ def test_unsupported_falls_back_to_reference():
 
 
 @needs_interpret
-def test_mhc_kernels_lower_for_cuda():
-    """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) on a mini-sized D."""
+@pytest.mark.parametrize("path,kernels", [("one", 1), ("split", 2), ("hybrid", 1)])
+def test_mhc_kernels_lower_for_cuda(path, kernels):
+    """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) on a mini-sized D,
+    each pre-side path with its own kernels."""
     sd = jax.ShapeDtypeStruct
     n, d, ntok = 4, 2048, 65
-    pre = jax.export.export(jax.jit(functools.partial(mhc_pre_mgpu, **KW)), platforms=["cuda"])(
+    pre = jax.export.export(jax.jit(functools.partial(mhc_pre_mgpu, path=path, splits=4, **KW)),
+                            platforms=["cuda"])(
         sd((ntok, n, d), jnp.bfloat16), sd((n * d, 24), jnp.float32), sd((24,), jnp.float32),
         sd((3,), jnp.float32), sd((d,), jnp.bfloat16))
+    assert pre.mlir_module().count("stablehlo.custom_call @mosaic_gpu") == kernels
     post = jax.export.export(jax.jit(mhc_post_mgpu), platforms=["cuda"])(
         sd((ntok, n, d), jnp.bfloat16), sd((ntok, d), jnp.bfloat16), sd((ntok, n), jnp.float32),
         sd((ntok, n, n), jnp.float32))
