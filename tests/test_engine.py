@@ -87,8 +87,10 @@ def test_greedy_equals_generate_with_preemption(async_scheduling, order_seed, bu
     prompts = prompts_long()
     want = reference(prompts)
     order = np.random.default_rng(order_seed).permutation(len(prompts))
+    # admit_batch=1: each freed slot is refilled at once, so 4 requests run and the pool
+    # runs out
     eng = engine(max_tokens_per_step=budget, async_scheduling=async_scheduling,
-                 prefix_cache=order_seed == 1)
+                 prefix_cache=order_seed == 1, admit_batch=1)
     outs = eng.generate([list(prompts[i]) for i in order], max_new_tokens=N_NEW)
     m = eng.last_run
     print(f"\nENGINE async={async_scheduling} budget={budget}: steps {m.steps}, preemptions "
@@ -491,7 +493,7 @@ def test_admissions_come_in_batches_with_a_bounded_wait():
     """admit_batch: while rows decode, waiting requests are admitted once that many slots are
     free, and the plan runs until the rows that free them finish; a single free slot is
     filled once it has waited decode_steps steps; with nothing decoding, at once."""
-    from deepinfer_fn.engine.scheduler import Scheduler, Seq
+    from deepinfer_fn.engine.scheduler import Scheduler, Seq, default_admit_batch
 
     sched = Scheduler(max_batch=4, max_tokens_per_step=256, prefill_shapes=((4, 16),),
                       page_size=4, max_pages=16, pages=PageAllocator(200), cache=None,
@@ -520,7 +522,8 @@ def test_admissions_come_in_batches_with_a_bounded_wait():
                     replay_tokens=None, decode_steps=8)
     assert old.admit_batch == 1
     eng = Engine(params(), max_batch=16, max_tokens_per_step=64, max_len=64, progress=False)
-    assert eng.scheduler.admit_batch == 1
+    assert eng.scheduler.admit_batch == 1                   # plain: at once
+    assert [default_admit_batch(b) for b in (1, 2, 5, 60)] == [1, 1, 2, 8]
     eng = Engine(params(), max_batch=16, max_tokens_per_step=64, max_len=64, progress=False,
                  admit_batch=4)
     assert eng.scheduler.admit_batch == 4

@@ -168,7 +168,7 @@ from deepinfer_fn.engine.radix import RadixCache
 from deepinfer_fn.engine.request import (RequestMetrics, RequestOutput, as_request,
                                           validate)
 from deepinfer_fn.engine.scheduler import (PACK_HEAD, Scheduler, Seq, StepPlan,
-                                            buckets_up_to)
+                                            buckets_up_to, default_admit_batch)
 from deepinfer_fn.engine.spec_step import (init_spec_slots, schedule_args, spec_decode_packed,
                                            spec_prefill_packed)
 from deepinfer_fn.engine.step import (decode_steps_packed, fixed_trip_counts, forward_packed,
@@ -316,9 +316,10 @@ class Engine:
     returns at once; one program per count and bucket); default: "fixed" on a GPU, else
     "dynamic" (on a CPU the masked iterations cost more than the host reads save);
     admit_batch: while other requests decode, waiting ones are admitted once this many slots
-    are free, or once a free slot has waited `decode_steps` steps (default 1: at once), so
-    admissions and their prefill come in batches and decode calls stay longer when requests
-    finish at staggered steps (speculative decoding, stop tokens);
+    are free, or once a free slot has waited `decode_steps` steps (1: at once; default 1, and
+    `scheduler.default_admit_batch(max_batch)` for a speculative engine), so admissions and
+    their prefill come in batches and decode calls stay longer when requests finish at
+    staggered steps (speculative decoding, stop tokens);
     async_scheduling: on by default; progress: a tqdm bar; measure_idle: record device idle
     time between steps;
     params: `Params`, or a `Model` bundle (`load_model`) whose tokenizer and DSpark drafter are
@@ -463,7 +464,8 @@ class Engine:
                                    replay_align=2 if 2 in codes else 1,
                                    step_counts=(fixed_trip_counts(decode_steps)
                                                 if decode_loop == "fixed" else None),
-                                   admit_batch=admit_batch or 1)
+                                   admit_batch=admit_batch or (default_admit_batch(max_batch)
+                                                              if gamma else 1))
         self.state = init_paged_state(cfg, max_batch=max_batch, num_pages=n * num_pages,
                                       page_size=page_size, max_pages=max_pages,
                                       dtype=params.dtype, window_slots=window_slots)

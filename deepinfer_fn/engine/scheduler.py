@@ -135,6 +135,13 @@ def buckets_up_to(n: int) -> tuple[int, ...]:
     return tuple(out) + (n,)
 
 
+def default_admit_batch(max_batch: int) -> int:
+    """Free slots an engine of max_batch slots gathers before admitting while others decode:
+    half the batch, at most 8 (one admission per slot ends decode calls after a step or two
+    when speculative rows finish at staggered steps)."""
+    return max(1, min(8, max_batch // 2))
+
+
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
     for s in sizes:
         if s >= n:
