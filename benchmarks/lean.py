@@ -1258,21 +1258,25 @@ def section_peer(args, p, budget: float) -> dict:
 
 
 def section_mainjob(args, p, budget: float) -> dict:
-    """The README main job twice in fresh processes: empty cache dir, then the same dir."""
+    """The README main job in fresh processes: empty cache dir, then the same dir, then the
+    same dir with the program cache off (JAX's persistent cache only: tracing and lowering
+    again)."""
     cache = tempfile.mkdtemp(prefix="lean_cache_")
     job = list(README_JOB)
     job[job.index("--max-new-tokens") + 1] = str(p["mainjob_tokens"])
     env = subprocess_env(args.quick, JAX_COMPILATION_CACHE_DIR=cache, DEEPINFER_COMPILE_CACHE=cache)
     rows, start = [], time.time()
-    for label in ("cold", "warm"):
+    for label in ("cold", "warm", "warm_without_program_cache"):
         left = budget - (time.time() - start) - (15 if label == "cold" else 0)
         if left < 5:
             rows.append({"kind": "mainjob", "cache": label, "error": "skipped: section time budget"})
             continue
         cmd = [sys.executable, "-m", "deepinfer_fn"] + job
         t0 = time.perf_counter()
+        run_env = dict(env, DEEPINFER_PROGRAM_CACHE="off") if "without" in label else env
         try:
-            res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=left)
+            res = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True,
+                                 timeout=left)
             row = {"kind": "mainjob", "cache": label, "wall_s": time.perf_counter() - t0,
                    "rc": res.returncode, "stdout_tail": res.stdout[-400:],
                    "stderr_tail": res.stderr[-800:] if res.returncode else ""}

@@ -28,7 +28,7 @@ import jax
 from jax import monitoring
 
 ENV_VAR = "DEEPINFER_COMPILE_CACHE"
-_DISABLED = ("", "0", "off", "false", "no", "none")
+DISABLED = ("", "0", "off", "false", "no", "none")   # values that turn a cache off
 # Programs that compile faster than this are not worth a disk entry (JAX's own default is 1 s).
 MIN_COMPILE_SECONDS = 0.5
 
@@ -45,7 +45,7 @@ def cache_dir_from_env() -> pathlib.Path | None:
     value = os.environ.get(ENV_VAR)
     if value is None:
         return default_cache_dir()
-    if value.strip().lower() in _DISABLED:
+    if value.strip().lower() in DISABLED:
         return None
     return pathlib.Path(value).expanduser()
 
@@ -101,6 +101,17 @@ def _on_event(event: str, **_):
                 c.disk_hits += 1
 
 
+def count_loaded(name: str, seconds: float) -> None:
+    """Counts an executable loaded whole from disk (`program_cache`) in the active counters,
+    as a program loaded from the persistent cache."""
+    with _lock:
+        for c in _active:
+            c.programs += 1
+            c.disk_hits += 1
+            c.seconds += seconds
+            c.names.append(name)
+
+
 def _ensure_listeners():
     global _registered
     with _lock:
@@ -152,15 +163,18 @@ def precompile(jobs: Sequence[Job], threads: int | None = None) -> list[float]:
     jobs = list(jobs)
     if not jobs:
         return []
-    lowered = [job.fn.lower(*job.args, **job.kwargs) for job in jobs]
+    # a `program_cache.Program` loads a stored executable here, or lowers for the threads
+    thunks = [job.fn.stage(*job.args, **job.kwargs) if hasattr(job.fn, "stage")
+              else job.fn.lower(*job.args, **job.kwargs).compile for job in jobs]
 
-    def compile_one(low):
+    def compile_one(thunk):
         t0 = time.perf_counter()
-        low.compile()
+        if thunk is not None:
+            thunk()
         return time.perf_counter() - t0
 
     workers = threads or min(len(jobs), max(1, os.cpu_count() or 1))
     if workers == 1 or len(jobs) == 1:
-        return [compile_one(low) for low in lowered]
+        return [compile_one(t) for t in thunks]
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="precompile") as pool:
-        return list(pool.map(compile_one, lowered))
+        return list(pool.map(compile_one, thunks))

@@ -28,7 +28,8 @@ from deepinfer_fn.decoding.checks import (check_bounded_replay, check_options, c
                                           check_stop_tokens)
 from deepinfer_fn.decoding.constrained import constrained_blocks
 from deepinfer_fn.decoding.output import GenerateOutput
-from deepinfer_fn.decoding.plain import decode_block, decode_width, plain_blocks, stop_array
+from deepinfer_fn.decoding.plain import (decode_block, decode_width, feeds_last_token,
+                                         plain_blocks, stop_array)
 from deepinfer_fn.decoding.prefill import (bucket, empty_state, prefill, prefill_forward,
                                            prefill_width)
 from deepinfer_fn.decoding.rows import mesh_rows, on_mesh
@@ -265,7 +266,7 @@ def generate_programs(params: Params, batch: int, prompt_len: int, max_new_token
                       decoder_swa_bounded_replay: bool | None = None) -> list[Job]:
     """The programs a single-device `generate` (block None) or `stream_generate(block=)` call
     with these shapes runs, as `compile_cache.Job`s: the empty state, the prefill chunk, and
-    the decode loop (one per feed_last variant). `precompile(generate_programs(...))` compiles
+    the decode loop (`feeds_last_token`). `precompile(generate_programs(...))` compiles
     them in parallel; JAX's in-memory and persistent caches then serve the real call.
     decoder_swa_bounded_replay: as `generate` (None: on for V4.1), picks the prefill program."""
     cfg = params.config
@@ -288,8 +289,8 @@ def generate_programs(params: Params, batch: int, prompt_len: int, max_new_token
             Job(prefill_forward, (params, state,
                                   i32(batch, prefill_width(prompt_len, prefill_chunk)),
                                   i32(batch)), dict(bounded_replay=bounded_replay))]
-    for feed_last in (False, True)[:1 + (max_new_tokens > block)]:
-        jobs.append(Job(decode_block, (params, state, logits, done, sampling, i32()) + masks,
-                        dict(n=width, stops=stops, limit=i32(), feed_last=feed_last)))
+    jobs.append(Job(decode_block, (params, state, logits, done, sampling, i32()) + masks,
+                    dict(n=width, stops=stops, limit=i32(),
+                         feed_last=feeds_last_token(max_new_tokens, block))))
     return jobs
 

@@ -100,6 +100,12 @@ def use(op: str, impl: str):
             _OVERRIDES[op] = old
 
 
+def selection() -> tuple[tuple[str, str], ...]:
+    """(op, implementation `choose` picks) for every registered op, sorted: what a compiled
+    program's kernel choices depend on besides its arguments (`prefers`)."""
+    return tuple((op, choose(op)) for op in sorted(_REGISTRY))
+
+
 def chosen_for(op: str, *args, **kwargs) -> str:
     """The implementation `call(op, *args, **kwargs)` runs: `choose(op)`, unless that came
     from the platform preference and its `prefers` declines these arguments (then "xla")."""

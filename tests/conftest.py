@@ -7,6 +7,9 @@ import pathlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Whole programs on disk skip tracing, so a test that patches a traced function would run a
+# stored program: off for the suite (tests/test_program_cache.py turns it on where it tests it).
+os.environ.setdefault("DEEPINFER_PROGRAM_CACHE", "off")
 # 8 fake CPU devices for the sharding tests (tests/test_sharding.py); other tests use device 0.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -48,6 +51,8 @@ def release_compiled_programs():
     persistent cache."""
     yield
     jax.clear_caches()
+    from deepinfer_fn import program_cache
+    program_cache.clear_memory()
     gc.collect()
     maps = memory_map_count()
     assert maps < 30_000, (f"{maps} memory maps remain after releasing this module's programs: "

@@ -15,7 +15,7 @@ import numpy as np
 from deepinfer_fn import structured
 from deepinfer_fn.api import mesh_context
 from deepinfer_fn.decoding.output import GenerateOutput
-from deepinfer_fn.decoding.plain import decode_block
+from deepinfer_fn.decoding.plain import decode_block, feeds_last_token
 
 
 def constrained_blocks(params, state, logits, done, sampling, pad, constrained, *, B,
@@ -35,7 +35,8 @@ def constrained_blocks(params, state, logits, done, sampling, pad, constrained, 
             with mesh_context(params)[1]:
                 out, logp, count, state, logits, done, masks = decode_block(
                     params, state, logits, done, sampling, pad, masks, sid, n=width,
-                    stops=stops, limit=np.int32(n), feed_last=not last)
+                    stops=stops, limit=np.int32(n),
+                    feed_last=feeds_last_token(max_new_tokens, block))
             produced += n
             # waits for the block: the matchers are up to date
             out_h, count_h, done_h, logp_h = jax.device_get((out, count, done, logp))

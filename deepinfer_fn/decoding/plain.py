@@ -23,11 +23,12 @@ from deepinfer_fn.decoding.output import GenerateOutput
 from deepinfer_fn.decoding.prefill import bucket
 from deepinfer_fn.model import transformer
 from deepinfer_fn.params import Params
+from deepinfer_fn.program_cache import program
 from deepinfer_fn.sampling import SamplingParams, sample
 from deepinfer_fn.state import DecodeState
 
 
-@functools.partial(jax.jit, static_argnames=("n", "feed_last"), donate_argnums=(1,))
+@program(static_argnames=("n", "feed_last"), donate_argnums=(1,))
 def decode_block(params: Params, state: DecodeState, logits, done, sampling: SamplingParams,
                  pad_id, masks=None, session=None, *, n: int, stops, limit=None,
                  feed_last: bool):
@@ -90,6 +91,13 @@ def decode_block(params: Params, state: DecodeState, logits, done, sampling: Sam
     return (out, logp, count, state, logits, done, *rest)
 
 
+def feeds_last_token(max_new_tokens: int, block: int) -> bool:
+    """decode_block's feed_last for a run of max_new_tokens in blocks of `block`: False for a
+    single block (no model step after the last token), True when streaming in several, so
+    every block of the stream is the same program (the last block feeds one token more)."""
+    return max_new_tokens > block
+
+
 def decode_width(max_new_tokens: int, block: int) -> int:
     """Output width of generate's decode program: `block` when streaming in blocks, else
     max_new_tokens rounded up to a power of two (at least 16); the loop runs a traced limit."""
@@ -118,7 +126,7 @@ def plain_blocks(params: Params, state: DecodeState, logits, done, sampling: Sam
         with mesh_context(params)[1]:
             out, logp, count, state, logits, done = decode_block(
                 params, state, logits, done, sampling, pad, n=width, stops=stops,
-                limit=np.int32(n), feed_last=not last)
+                limit=np.int32(n), feed_last=feeds_last_token(max_new_tokens, block))
         produced += n
         # Sliced on the host: a device slice would compile a program per (rows, n).
         out_h, count_h, done_h, logp_h = jax.device_get((out, count, done, logp))

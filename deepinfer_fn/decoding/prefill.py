@@ -10,7 +10,6 @@ rows only, their window floored there; decode steps and verify chunks run every 
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,12 @@ import numpy as np
 
 from deepinfer_fn.model import replay_v41, transformer
 from deepinfer_fn.params import Params
+from deepinfer_fn.program_cache import program
 from deepinfer_fn.state import DecodeState, init_state
 
 # An empty decode state in one program (eagerly, each array would compile its own).
-empty_state = jax.jit(init_state, static_argnums=(0, 1, 2), static_argnames=("window_slots", "dtype"))
+empty_state = program(init_state, static_argnums=(0, 1, 2),
+                      static_argnames=("window_slots", "dtype"), name="empty_state")
 
 
 def bucket(n: int, minimum: int = 256) -> int:
@@ -63,7 +64,7 @@ def keep_last(prev, new, ends_here):
     return jax.tree.map(pick, new, prev)
 
 
-@functools.partial(jax.jit, donate_argnums=(1,), static_argnames=("bounded_replay",))
+@program(donate_argnums=(1,), static_argnames=("bounded_replay",))
 def prefill_forward(params: Params, state: DecodeState, chunk, n_new, *,
                     bounded_replay: bool = False):
     """One prefill chunk [B, c] against the state (donated): (last-token logits [B,V], state).
