@@ -115,26 +115,39 @@ def _is_dtype(t) -> bool:
         return False
 
 
-def _sharding_key(sharding) -> str | None:
-    if sharding is None:
-        return f"dev{jax.devices()[0].id}"
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return f"dev{next(iter(sharding.device_set)).id}"
-    return repr(sharding)
+@functools.cache
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def leaf_signature(x):
-    """(shape, dtype, weak type, placement) of a dynamic argument leaf; None for a tracer."""
+    """(shape, dtype, weak type, sharding) of a dynamic argument leaf (numpy values and
+    unplaced shapes: the default device, where jit puts them); None for a tracer."""
+    if isinstance(x, jax.Array):
+        if isinstance(x, jax.core.Tracer):
+            return None
+        return (x.shape, x.dtype, x.weak_type, x.sharding)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (x.shape, x.dtype, bool(x.weak_type), x.sharding or _default_sharding())
+    if isinstance(x, (np.ndarray, np.generic)):
+        return (x.shape, x.dtype, False, _default_sharding())
+    if isinstance(x, (bool, int, float, complex)):
+        return ((), type(x), True, _default_sharding())
     if isinstance(x, jax.core.Tracer):
         return None
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return (x.shape, x.dtype.name, bool(getattr(x, "weak_type", False)),
-                _sharding_key(getattr(x, "sharding", None)))
-    if isinstance(x, (np.ndarray, np.generic)):       # jit puts these on the default device
-        return (x.shape, x.dtype.name, False, _sharding_key(None))
-    if isinstance(x, (bool, int, float, complex)):
-        return ((), type(x).__name__, True, _sharding_key(None))
     raise Unkeyable(type(x).__qualname__)
+
+
+def signature_text(sig) -> str:
+    """Process-independent text of `leaf_signature`s."""
+    def one(shape, dtype, weak, sharding):
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            place = f"dev{next(iter(sharding.device_set)).id}"
+        else:
+            place = repr(sharding)
+        name = dtype.__name__ if isinstance(dtype, type) else np.dtype(dtype).name
+        return f"{shape}:{name}:{int(weak)}:{place}"
+    return ";".join(one(*leaf) for leaf in sig)
 
 
 @dataclasses.dataclass
@@ -217,28 +230,36 @@ class Program:
         return static, tuple(dyn_args), dyn_kwargs
 
     def key(self, args, kwargs):
-        """(memory key, disk text, dynamic args, dynamic kwargs), or None where this call must
-        go through plain jit (a tracer, or a value without a faithful key)."""
+        """(memory key, dynamic args, dynamic kwargs), or None where this call must go
+        through plain jit (a tracer, or a leaf that is not an array or number)."""
         static, dyn_args, dyn_kwargs = self._split(args, kwargs)
         leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
         try:
-            sig = tuple(leaf_signature(x) for x in leaves)
-            if None in sig:
-                return None
-            text = ",".join(f"{k}={static_text(static[k])}" for k in sorted(static))
+            sig = tuple(map(leaf_signature, leaves))
         except Unkeyable:
             return None
-        memory = (text, treedef, sig)
-        return memory, repr((self.name, text, str(treedef), sig)), dyn_args, dyn_kwargs
+        if None in sig:
+            return None
+        return (tuple(sorted(static.items())), treedef, sig), dyn_args, dyn_kwargs
+
+    def disk_text(self, memory) -> str:
+        """The call-specific part of the disk key (raises `Unkeyable` for a static value
+        without a faithful text)."""
+        static, treedef, sig = memory
+        text = ",".join(f"{k}={static_text(v)}" for k, v in static)
+        return repr((self.name, text, str(treedef), signature_text(sig)))
 
     def __call__(self, *args, **kwargs):
         keyed = self.key(args, kwargs) if cache_dir() is not None else None
         if keyed is None:
             return self.jitted(*args, **kwargs)
-        memory, text, dyn_args, dyn_kwargs = keyed
+        memory, dyn_args, dyn_kwargs = keyed
         compiled = self._memory.get(memory)
         if compiled is None:
-            finish = self._stage(memory, text, args, kwargs)
+            try:
+                finish = self._stage(memory, args, kwargs)
+            except Unkeyable:
+                return self.jitted(*args, **kwargs)
             compiled = finish() if finish is not None else self._memory[memory]
         return compiled(*dyn_args, **dyn_kwargs)
 
@@ -248,10 +269,14 @@ class Program:
         thunk, safe to run in another thread, that compiles the program lowered here (and
         stores it). A call that is not cacheable is lowered for jit's own caches."""
         keyed = self.key(args, kwargs) if cache_dir() is not None else None
-        if keyed is None:
-            return self.jitted.lower(*args, **kwargs).compile
-        memory, text = keyed[:2]
-        return None if memory in self._memory else self._stage(memory, text, args, kwargs)
+        if keyed is not None and keyed[0] in self._memory:
+            return None
+        try:
+            if keyed is not None:
+                return self._stage(keyed[0], args, kwargs)
+        except Unkeyable:
+            pass
+        return self.jitted.lower(*args, **kwargs).compile
 
     def prepare(self, *args, **kwargs) -> None:
         """`stage` and run its thunk here."""
@@ -259,11 +284,11 @@ class Program:
         if finish is not None:
             finish()
 
-    def _stage(self, memory, text, args, kwargs):
+    def _stage(self, memory, args, kwargs):
         """Loads the stored executable now (None), else lowers here and returns the thunk
         that compiles and stores it."""
         folder = cache_dir()
-        digest = hashlib.sha256((environment_key() + text).encode()).hexdigest()
+        digest = hashlib.sha256((environment_key() + self.disk_text(memory)).encode()).hexdigest()
         path = folder / f"{self.name.rsplit('.', 1)[-1]}-{digest[:40]}.bin"
         compiled = _load(path, self.name)
         if compiled is not None:
