@@ -10,8 +10,9 @@ bucket N, prefix cache off), so both do the same prefills and decode steps. Comp
            `--engine-steps 8d,8f,1`: "Kf" / "Kd" add decode_loop="fixed" / "dynamic"; a
            trailing "s" ("8fs") compiles the single prefill shape (N, prompt) instead of the
            ladder; then "a" + B ("8fa4") sets the engine's admit_batch to B
-  dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); default
-           model only (the `mini` preset has no trained drafter)
+  dspark   the same with the model bundle's DSpark drafter (verify_len "fixed"); on `mini`
+           a random drafter (no trained one exists): tokens per step near 1, so the ratio
+           compares step costs
 
 Per engine arm: generated tok/s and its ratio to generate's, decode steps per device call,
 and device idle between steps as a fraction of device time (a second run with
@@ -48,12 +49,17 @@ from deepinfer_fn.engine import Engine, Request
 
 
 def load(model: str, dtype):
-    """(params, drafter or None) of the embedded default model or the random `mini` preset."""
+    """(params, drafter) of the embedded default model (its trained DSpark drafter) or the
+    random `mini` preset with a random DSpark drafter (acceptance near 0: its dspark arm
+    compares the cost of a verify step in the engine and in `generate`)."""
     if model == "default":
         bundle = di.load_model(dtype=dtype)
         return bundle.params, bundle.drafter
     from decode import device_params
-    return device_params(di.ModelConfig.preset("mini"), dtype), None
+    from deepinfer_fn.speculative.dspark import DSparkConfig, init_dspark
+    cfg = di.ModelConfig.preset("mini")
+    return (device_params(cfg, dtype),
+            init_dspark(cfg, DSparkConfig.for_target(cfg), jax.random.key(1), dtype))
 
 
 def prompts(model: str, n: int, length: int, vocab: int) -> np.ndarray:
