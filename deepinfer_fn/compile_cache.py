@@ -158,14 +158,18 @@ class Job:
 
 
 def precompile(jobs: Sequence[Job], threads: int | None = None) -> list[float]:
-    """Lowers every job (in this thread) and compiles them in parallel; returns each job's
-    compile seconds. Jobs whose program is already compiled cost only their lowering."""
+    """Lowers the jobs one after another in this thread and compiles each in a worker thread
+    as soon as it is lowered (XLA compiles release the GIL, so a compile overlaps the next
+    job's lowering and the other compiles); returns each job's compile seconds. A
+    `program_cache.Program` whose executable is stored loads it here instead."""
     jobs = list(jobs)
     if not jobs:
         return []
-    # a `program_cache.Program` loads a stored executable here, or lowers for the threads
-    thunks = [job.fn.stage(*job.args, **job.kwargs) if hasattr(job.fn, "stage")
-              else job.fn.lower(*job.args, **job.kwargs).compile for job in jobs]
+
+    def stage(job):
+        if hasattr(job.fn, "stage"):
+            return job.fn.stage(*job.args, **job.kwargs)
+        return job.fn.lower(*job.args, **job.kwargs).compile
 
     def compile_one(thunk):
         t0 = time.perf_counter()
@@ -175,6 +179,7 @@ def precompile(jobs: Sequence[Job], threads: int | None = None) -> list[float]:
 
     workers = threads or min(len(jobs), max(1, os.cpu_count() or 1))
     if workers == 1 or len(jobs) == 1:
-        return [compile_one(t) for t in thunks]
+        return [compile_one(stage(job)) for job in jobs]
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="precompile") as pool:
-        return list(pool.map(compile_one, thunks))
+        futures = [pool.submit(compile_one, stage(job)) for job in jobs]
+        return [f.result() for f in futures]
