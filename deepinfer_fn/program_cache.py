@@ -32,6 +32,7 @@ import pathlib
 import pickle
 import threading
 import time
+import types
 import weakref
 from typing import Any, Callable
 
@@ -104,6 +105,8 @@ def static_text(value) -> str:
         fields = ",".join(f"{f.name}={static_text(getattr(value, f.name))}"
                           for f in dataclasses.fields(value))
         return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
+    if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:
+        return f"function({value.__module__}.{value.__qualname__})"   # source: in the digest
     raise Unkeyable(type(value).__qualname__)
 
 
@@ -122,12 +125,17 @@ def _default_sharding() -> jax.sharding.Sharding:
 
 def leaf_signature(x):
     """(shape, dtype, weak type, sharding) of a dynamic argument leaf (numpy values and
-    unplaced shapes: the default device, where jit puts them); None for a tracer."""
+    unplaced shapes: the default device, where jit puts them); None for a tracer or an array
+    spread over several devices (sharded programs stay with jit)."""
     if isinstance(x, jax.Array):
-        if isinstance(x, jax.core.Tracer):
+        if isinstance(x, jax.core.Tracer) or not isinstance(
+                x.sharding, jax.sharding.SingleDeviceSharding):
             return None
         return (x.shape, x.dtype, x.weak_type, x.sharding)
     if isinstance(x, jax.ShapeDtypeStruct):
+        if x.sharding is not None and not isinstance(x.sharding,
+                                                     jax.sharding.SingleDeviceSharding):
+            return None
         return (x.shape, x.dtype, bool(x.weak_type), x.sharding or _default_sharding())
     if isinstance(x, (np.ndarray, np.generic)):
         return (x.shape, x.dtype, False, _default_sharding())
@@ -204,6 +212,7 @@ class Program:
         self.static = frozenset(static_argnames) | {names[i] for i in static_argnums}
         self.name = name or f"{fun.__module__}.{fun.__qualname__}"
         self._memory: dict = {}
+        self._seen: dict = {}
         self._lock = threading.Lock()
         functools.update_wrapper(self, fun)
         _programs.add(self)
@@ -233,21 +242,46 @@ class Program:
         """(memory key, dynamic args, dynamic kwargs), or None where this call must go
         through plain jit (a tracer, or a leaf that is not an array or number)."""
         static, dyn_args, dyn_kwargs = self._split(args, kwargs)
-        leaves, treedef = jax.tree.flatten((dyn_args, dyn_kwargs))
         try:
-            sig = tuple(map(leaf_signature, leaves))
+            parts = tuple(self._arg_signature(a) for a in dyn_args)
+            parts += tuple((k, self._arg_signature(v)) for k, v in sorted(dyn_kwargs.items()))
         except Unkeyable:
             return None
-        if None in sig:
+        if any(p is None for p in parts):
             return None
-        return (tuple(sorted(static.items())), treedef, sig), dyn_args, dyn_kwargs
+        return (tuple(sorted(static.items())), len(dyn_args), parts), dyn_args, dyn_kwargs
+
+    def _arg_signature(self, arg):
+        """(treedef, leaf signatures) of one argument, or None; remembered for the last
+        object seen at each identity (params are passed again and again)."""
+        hit = self._seen.get(id(arg))
+        if hit is not None and hit[0]() is arg:
+            return hit[1]
+        leaves, treedef = jax.tree.flatten(arg)
+        sig = tuple(map(leaf_signature, leaves))
+        part = None if None in sig else (treedef, sig)
+        if len(leaves) > 16:                         # worth remembering; needs a weakref
+            try:
+                ref = weakref.ref(arg)
+            except TypeError:
+                return part
+            if len(self._seen) > 64:
+                self._seen.clear()
+            self._seen[id(arg)] = (ref, part)
+        return part
 
     def disk_text(self, memory) -> str:
         """The call-specific part of the disk key (raises `Unkeyable` for a static value
         without a faithful text)."""
-        static, treedef, sig = memory
+        static, n_positional, parts = memory
         text = ",".join(f"{k}={static_text(v)}" for k, v in static)
-        return repr((self.name, text, str(treedef), signature_text(sig)))
+
+        def part_text(part):
+            if len(part) == 2 and isinstance(part[0], str):      # a keyword argument
+                return f"{part[0]}=" + part_text(part[1])
+            treedef, sig = part
+            return f"{treedef}|{signature_text(sig)}"
+        return repr((self.name, text, n_positional, [part_text(p) for p in parts]))
 
     def __call__(self, *args, **kwargs):
         keyed = self.key(args, kwargs) if cache_dir() is not None else None

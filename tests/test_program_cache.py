@@ -212,3 +212,36 @@ def test_executables_from_jax_cache_store_only_where_they_reload(cache_dir):
     loaded = program_cache.stats.loaded
     np.testing.assert_allclose(np.asarray(_fresh(body, name="body")(x)), want, rtol=1e-6)
     assert program_cache.stats.loaded == loaded + stored
+
+
+ENGINE_IN_A_PROCESS = r"""
+import json
+import jax, numpy as np
+import deepinfer_fn as di
+from deepinfer_fn import program_cache
+cfg = di.ModelConfig.preset("tiny", max_position_embeddings=256)
+params = di.init_params(cfg, jax.random.key(7))
+engine = di.Engine(params, max_batch=4, max_tokens_per_step=64, max_len=128, progress=False,
+                   decode_buckets=(4,), prefill_shapes=((1, 32), (2, 32)))
+with di.ProgramCounter() as warm:
+    engine.warmup()
+rng = np.random.default_rng(0)
+reqs = [di.Request(rng.integers(2, 200, n).tolist(), max_new_tokens=6, temperature=0.8,
+                   request_id=i) for i, n in enumerate((5, 20, 40))]
+with di.ProgramCounter() as run:
+    outs = engine.generate(reqs)
+s = program_cache.stats
+print(json.dumps(dict(tokens=[list(map(int, o.tokens)) for o in outs], loaded=s.loaded,
+                      compiled=s.compiled, warm=warm.programs, warm_hits=warm.disk_hits,
+                      run=run.programs)))
+"""
+
+
+@pytest.mark.heavy
+def test_second_engine_process_warms_up_from_stored_programs(tmp_path):
+    first = _run(ENGINE_IN_A_PROCESS, tmp_path)
+    assert first["compiled"] >= 3 and first["loaded"] == 0 and first["run"] == 0
+    second = _run(ENGINE_IN_A_PROCESS, tmp_path)
+    assert second["tokens"] == first["tokens"]
+    assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
+    assert second["warm"] == second["warm_hits"] == second["loaded"] and second["run"] == 0

@@ -37,7 +37,6 @@ On a mesh every read and write of `spec` and `last_token` is shard-local (`step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,7 @@ from deepinfer_fn.engine.paged_state import PagedState
 from deepinfer_fn.engine.step import (gather_state, put_slots, sample_rows, scatter_state,
                                       take_slots, unpack, unpack_sampling)
 from deepinfer_fn.model import replay_v41, transformer
+from deepinfer_fn.program_cache import program
 from deepinfer_fn.speculative.drafter import Drafter, target_features
 from deepinfer_fn.speculative.loop import VerifyLen, profile_args, speculative_step
 
@@ -101,7 +101,7 @@ def _target_prefill(params, weights, tstate, toks, n_new, row_floor, *, drafter:
     return logits, new, feats, (at, ids, n_tail)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "k", "tail"), donate_argnums=(2,))
+@program(static_argnames=("drafter", "k", "tail"), donate_argnums=(2,))
 def spec_prefill_packed(params, weights, state: PagedState, packed, *, drafter: Drafter, k: int,
                         tail: int | None = None):
     """A prefill sub-batch of a speculative engine (module docstring). packed as
@@ -164,7 +164,7 @@ def _step_out(o, P):
                             jnp.stack([o.n_emit, o.g, o.ell, P + o.n_emit], axis=1)], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "k", "verify_len", "steps",
+@program(static_argnames=("drafter", "k", "verify_len", "steps",
                                              "fixed_trips"), donate_argnums=(2,))
 def spec_decode_packed(params, weights, state: PagedState, packed, sched, *, drafter: Drafter,
                        k: int, verify_len: VerifyLen, steps: int = 1, fixed_trips: bool = False):

@@ -44,7 +44,6 @@ layer) every call; a paged attention kernel reading the pools in place would avo
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +52,7 @@ import numpy as np
 from deepinfer_fn.engine.paged_state import POOL_KEYS, PagedState, shard_axes
 from deepinfer_fn.engine.scheduler import META_COLUMNS, PACK_HEAD  # noqa: F401 (packed layout)
 from deepinfer_fn.model import replay_v41, transformer
+from deepinfer_fn.program_cache import program
 from deepinfer_fn.sampling import SamplingParams, sample
 from deepinfer_fn.state import DecodeState, V41DecodeState
 from deepinfer_fn.structured import unpack_bitmask
@@ -279,7 +279,7 @@ def _substep(params, state: PagedState, meta, fparams, block_table, tokens, retu
     return state, sampled, logp
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits", "tail"), donate_argnums=(1,))
+@program(static_argnames=("return_logits", "tail"), donate_argnums=(1,))
 def substep(params, state: PagedState, meta, fparams, block_table, tokens=None, *,
             return_logits: bool = False, tail: int | None = None):
     """One sub-batch. tokens int32 [B, S] (prefill rows, right-padded past n_new) or None
@@ -305,7 +305,7 @@ def unpack(packed, max_pages: int):
     return meta, fparams, bt, (toks if toks.shape[1] else None)
 
 
-@functools.partial(jax.jit, static_argnames=("tail",), donate_argnums=(1,))
+@program(static_argnames=("tail",), donate_argnums=(1,))
 def substep_packed(params, state: PagedState, packed, *, tail: int | None = None):
     """`substep` on one packed host buffer (one host -> device transfer per call) returning one
     buffer (one device -> host transfer): packed int32 [B, PACK_HEAD + max_pages + S] (S = 0:
@@ -324,7 +324,7 @@ def fixed_trip_counts(most: int) -> tuple[int, ...]:
     return tuple(sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most}))
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "fixed_trips"), donate_argnums=(1,))
+@program(static_argnames=("steps", "fixed_trips"), donate_argnums=(1,))
 def decode_steps_packed(params, state: PagedState, packed, *, steps: int,
                         fixed_trips: bool = False):
     """Up to `steps` decode steps of a sub-batch in ONE device call: packed as a decode
@@ -368,7 +368,7 @@ def decode_steps_packed(params, state: PagedState, packed, *, steps: int,
 # --- constrained sub-batches (structured output): forward and masked sampling, split ----------
 
 
-@functools.partial(jax.jit, static_argnames=("tail",), donate_argnums=(1,))
+@program(static_argnames=("tail",), donate_argnums=(1,))
 def forward_packed(params, state: PagedState, packed, *, tail: int | None = None):
     """The forward half of `substep_packed` (a sub-batch with constrained rows): returns (state,
     logits f32 [B, V]); `last_token` is written by the `sample_packed` call that follows, once
@@ -377,7 +377,7 @@ def forward_packed(params, state: PagedState, packed, *, tail: int | None = None
     return _forward(params, state, meta, bt, toks, tail)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@program(donate_argnums=(0,))
 def sample_packed(state: PagedState, logits, head, masks):
     """The sampling half (head int32 [B, PACK_HEAD]: the first columns of the packed buffer):
     masks uint32 [B, ceil(V/32)] (packed allowed-token bits; all-ones for
