@@ -12,8 +12,9 @@ The disk key covers everything the program depends on: the source of the `deepin
 `custom_calls` and `shardings` packages, JAX's version, the devices, `DEEPINFER_*` and
 `XLA_FLAGS` environment variables, the kernel registry's choices, the function, its static
 arguments and the shapes, dtypes and shardings of the others. Static arguments must be plain
-values (numbers, strings, dtypes, tuples, dataclasses of those such as `ModelConfig`); a call
-with any other static value (or under a trace, or with the cache off) is plain `jax.jit`.
+values (numbers, strings, dtypes, tuples, dataclasses of those such as `ModelConfig`,
+module-level functions); a call with any other static value, with an array spread over
+several devices, under a trace, or with the cache off is plain `jax.jit`.
 Programs that cannot be serialized (host callbacks) stay in memory only; `clear_memory()`
 drops the executables held in memory (as `jax.clear_caches()` does for jit's).
 
@@ -23,6 +24,7 @@ persistent compilation cache off: a `Program` is then exactly `jax.jit`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -194,6 +196,11 @@ def clear_memory() -> None:
     for p in list(_programs):
         with p._lock:
             p._memory.clear()
+
+
+# Release the executables before JAX tears its backends down at exit (atexit runs the
+# handlers last registered first): one outliving its client aborts the interpreter.
+atexit.register(clear_memory)
 
 
 class Program:
