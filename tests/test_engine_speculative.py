@@ -365,3 +365,12 @@ def test_multi_step_speculative_loop_carries_no_pool():
     pools = {f"[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(eng.state.pools)}
     carried = [p for p in pools for loop in loops if p in loop]
     assert not carried, carried
+
+
+def test_speculative_engine_admits_in_batches_by_default():
+    """A speculative engine gathers half its slots (at most 8) before admitting while rows
+    decode; an explicit admit_batch wins."""
+    from deepinfer_fn.engine.scheduler import default_admit_batch
+    eng = engine("mtp", progress=False)
+    assert eng.scheduler.admit_batch == default_admit_batch(SHAPES["max_batch"]) > 1
+    assert engine("mtp", progress=False, admit_batch=1).scheduler.admit_batch == 1
