@@ -346,7 +346,7 @@ def simulate_scheduler(seed):
 
     for i, r in enumerate(reqs):
         sched.add(Seq(r, i, list(r.tokens), frozenset(r.stop_tokens), 0.0))
-    pending, steps, multi = None, 0, 1
+    pending, steps, multi, handed_on = None, 0, 1, 0
     while sched.has_work() or pending:
         preempted = sched.preemptions
         plan = sched.schedule()
@@ -364,8 +364,13 @@ def simulate_scheduler(seed):
             assert plan.prefill_shape in shapes and len(plan.prefill) <= plan.prefill_shape[0]
             assert max(r.n for r in plan.prefill) <= plan.prefill_shape[1]
         assert len({id(r.seq) for r in rows}) == len(rows)
-        slots = [s.slot for s in sched.running]
+        slots = [s.slot for s in sched.running if s.slot is not None]
         assert len(set(slots)) == len(slots)
+        for s in sched.running:         # a slot handed on: only its last steps in flight
+            if s.slot is None:
+                assert s.in_flight > 0 and not s.prefilling and s.finish is None
+                assert s.req.max_new_tokens == len(s.generated) + s.in_flight
+                handed_on += 1
         private = [p for s in sched.running for p in s.pages[s.row_floor // ps:]]
         assert len(set(private)) == len(private)
         for r in rows:
@@ -395,13 +400,14 @@ def simulate_scheduler(seed):
         assert done[r.request_id].generated == expected(r), r.request_id
     held = cache.num_nodes if cache else 0
     assert pages.free_count + held == pages.capacity
-    return K, multi
+    return K, multi, handed_on
 
 
 def test_scheduler_simulation_runs_multi_step_decode():
     """The simulations above do exercise several decode steps per call."""
     runs = [simulate_scheduler(seed) for seed in range(6, 18)]
-    assert any(multi > 1 for K, multi in runs if K > 1), runs
+    assert any(multi > 1 for K, multi, _ in runs if K > 1), runs
+    assert any(handed_on for *_, handed_on in runs), runs   # early slot reuse exercised
 
 
 def test_scalar_sampling_fast_path_agrees_with_check_sampling():
@@ -563,3 +569,50 @@ def test_fixed_decode_loop_equals_generate():
     assert m.decode_calls < sum(new) - len(new) and m.mean_decode_steps > 1.5, m
     with pytest.raises(di.ArgumentError, match="decode_loop"):
         engine(decode_loop="static")
+
+
+def test_a_slot_is_handed_on_while_its_last_step_is_in_flight():
+    """One slot, two requests: once the first request's last token is dispatched, the next
+    schedule admits the second into the slot (its prefill runs behind that step) before the
+    host has the results; the first still finishes with its tokens and frees its pages then.
+    Not for speculative rows, nor while finished requests are exported (on_finish)."""
+    from deepinfer_fn.engine.scheduler import Scheduler, Seq
+
+    def run(spec_width=0, on_finish=None):
+        pages = PageAllocator(16)
+        sched = Scheduler(max_batch=1, max_tokens_per_step=64, prefill_shapes=((1, 16),),
+                          page_size=4, max_pages=8, pages=pages, cache=None,
+                          replay_tokens=None, spec_width=spec_width, decode_steps=4)
+        sched.on_finish = on_finish
+        seqs = [Seq(Request([3, 4, 5], max_new_tokens=3, request_id=i), i, [3, 4, 5],
+                    frozenset(), 0.0) for i in range(2)]
+        for s in seqs:
+            sched.add(s)
+        first = seqs[0]
+        prefill = sched.schedule()               # admits and prefills the first (samples 1)
+        sched.commit_plan(prefill)
+        decode = sched.schedule()                # its last 2 tokens, one call (plain)
+        assert [r.seq for r in decode.decode] == [first]
+        sched.commit_plan(decode)
+        while first.req.max_new_tokens > len(first.generated) + first.in_flight:
+            sched.commit_plan(sched.schedule())  # speculative: 1 step per token at least
+        assert first.slot == 0 and not sched.waiting[0].pages
+        return sched, pages, first, seqs[1], prefill, decode
+
+    sched, pages, first, second, prefill, decode = run()
+    assert decode.decode[0].n == 2
+    plan = sched.schedule()                      # nothing applied yet
+    assert [r.seq for r in plan.prefill] == [second] and second.slot == 0
+    held = pages.free_count
+    assert len(first.pages) == 2
+    assert first.slot is None and first.finish is None and first in sched.running
+    sched.commit_plan(plan)
+    sched.commit_results(prefill.prefill, [11], [0.0], 0.0)
+    sched.commit_decode_results(decode.decode, np.array([[[12, 0], [13, 0]]], np.int32), 0.0)
+    assert first.finish == "length" and first.generated == [11, 12, 13]
+    assert first not in sched.running and second.slot == 0 and sched.free_slots == []
+    assert pages.free_count == held + 2          # the first's two pages, freed on its results
+    # a speculative engine, or one exporting finished requests, waits for the results
+    for kw in (dict(spec_width=3), dict(on_finish=lambda seq, reason: None)):
+        sched, *_, second, _, _ = run(**kw)
+        assert not sched.schedule().prefill and second.slot is None

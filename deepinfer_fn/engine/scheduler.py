@@ -33,7 +33,10 @@ Policy:
   unless that is enough to admit), and then the most recently admitted running sequence is
   preempted (recompute: its slot and pages are released, it is requeued with prompt +
   generated tokens; with the prefix cache on, its full blocks are cached first, so it resumes
-  from a hit).
+  from a hit);
+* a plain row whose last token is dispatched hands its slot on at once (`_hand_on_slots`):
+  the next admission's prefill runs behind its last step on the device, without the host
+  first waiting for that step's results (its pages are freed when they arrive).
 
 Batch shards (`shards` = n > 1: the engine on a dp x ep mesh): shard i owns slots [i * S, (i +
 1) * S) (S = max_batch / n), its own page allocator and prefix cache (`pages`, `cache` given as
@@ -69,7 +72,7 @@ class Seq:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     ext: list[int] = dataclasses.field(default_factory=list)
     ext_arr: np.ndarray | None = None       # ext as int32 (set at admission, for packing)
-    slot: int | None = None
+    slot: int | None = None         # None: waiting, finished or handed on (last step in flight)
     pages: list[int] = dataclasses.field(default_factory=list)
     pos: int = 0
     row_floor: int = 0
@@ -270,9 +273,28 @@ class Scheduler:
         for p in seq.pages:
             pages.release(p)
         seq.pages = []
+        if seq.slot is not None:            # None: handed on early (`_hand_on_slots`)
+            self._free_slot(seq)
+
+    def _free_slot(self, seq: Seq) -> None:
         self.block_table[seq.slot] = NULL_PAGE
         self.shard_free[seq.shard].append(seq.slot)
         seq.slot = None
+
+    def _hand_on_slots(self) -> None:
+        """Frees the slots of plain rows whose every remaining token is already dispatched
+        while requests wait: they finish once the in-flight steps are known, and nothing
+        reads their slot after those steps, so a prefill issued now (behind them on the
+        device) may take it; the host need not wait for the results before admitting. Their
+        pages stay held until the results are applied (`finish`). Not for speculative rows
+        (their lengths are known only on the device), constrained rows, or while finished
+        requests are exported (`on_finish` reads the slot)."""
+        if self.spec_width or self.on_finish is not None or not self.waiting:
+            return
+        for seq in self.running:
+            if (seq.slot is not None and seq.finish is None and seq.matcher is None
+                    and seq.in_flight > 0 and not seq.prefilling and self._remaining(seq) <= 0):
+                self._free_slot(seq)
 
     # ------------------------------------------------------------------ pages
     def _blocks_needed(self, seq: Seq, end: int) -> int:
@@ -443,6 +465,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [])
+        self._hand_on_slots()
         budget, ps, decode = self.budget, self.page_size, plan.decode
         cost = self.decode_cost
         K = plan.decode_steps = self.plan_decode_steps()
