@@ -131,6 +131,36 @@ def test_multi_step_decode_equals_generate(async_scheduling):
     assert got[8] == expect and got[1] == expect
 
 
+def test_next_wave_is_issued_before_the_finished_wave_is_read():
+    """Six requests, four slots, async: a finishing request's slot is taken by a waiting one
+    before the host has read its last step, and after that prefill-only step the next step is
+    issued with two steps unread; every request still gets generate()'s tokens."""
+    prompts = prompts_long()
+    want = reference(prompts)
+    eng = engine(max_tokens_per_step=512, decode_steps=8)
+    events, dispatch, collect = [], eng._dispatch, eng._collect
+
+    def logged_dispatch(plan, watcher):
+        handed_on = sum(s.slot is None and s.finish is None for s in eng.scheduler.running)
+        outs = dispatch(plan, watcher)
+        events.append(("dispatch", bool(plan.prefill), bool(plan.decode), handed_on))
+        return outs
+
+    def logged_collect(outs, *args, **kw):
+        events.append(("collect",))
+        yield from collect(outs, *args, **kw)
+    eng._dispatch, eng._collect = logged_dispatch, logged_collect
+    outs = eng.generate([list(p) for p in prompts], max_new_tokens=N_NEW)
+    assert [o.tokens for o in outs] == want
+    unread, deepest, handed_on = 0, 0, 0
+    for e in events:
+        unread += 1 if e[0] == "dispatch" else -1
+        if e[0] == "dispatch":
+            deepest = max(deepest, unread)
+            handed_on = max(handed_on, e[3] * e[1])      # a prefill beside a handed-on slot
+    assert deepest >= 3 and handed_on >= 1, events       # two unread + the one just issued
+
+
 def test_sampled_requests_equal_generate_with_same_seed():
     """Per-request temperature / top-k / top-p / seed: counter-based keys make engine draws equal generate()'s
     (mixed greedy and sampled rows), and the stream's pieces add up to the outputs."""

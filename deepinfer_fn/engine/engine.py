@@ -30,7 +30,9 @@ meanwhile.
 Asynchronous scheduling (default): step s is dispatched, then the host reads step s-1's tokens
 and prepares step s+1 while the device runs step s; decode inputs stay on the device
 (`PagedState.last_token`), so only stop detection lags by one step (the extra token of a
-finished row is discarded). `async_scheduling=False` waits for every step before preparing the
+finished row is discarded). After a step that only prefills (short on the device) the host
+issues the next step before reading step s-1, so the device does not wait while the host
+applies a finishing wave's results. `async_scheduling=False` waits for every step before preparing the
 next. The two modes give the same tokens whenever a row's result does not depend on its batch
 neighbours (tested in f32 on CPU; the one-step lag changes batch compositions, so bf16 on a GPU
 is only guaranteed identical under batch-invariant numerics).
@@ -148,6 +150,7 @@ speculative method take such states as items and decode them (same tokens as one
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -252,6 +255,12 @@ class _RunIds:
 
     ids: frozenset
     cancelled: set = dataclasses.field(default_factory=set)
+
+
+def _prefill_only(plan: StepPlan, outs: list) -> bool:
+    """A dispatched step that only prefills, with no constrained row (whose sampling on the
+    host needs every earlier result applied first)."""
+    return bool(plan.prefill) and not plan.decode and all(e[1] is not None for e in outs)
 
 
 class _IdleWatcher:
@@ -601,15 +610,15 @@ class Engine:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(reqs), desc="engine", unit="req", leave=False)
         watcher = _IdleWatcher() if self.measure_idle else None
-        pending = None
+        inflight = collections.deque()     # dispatched steps whose results are not applied
         try:
             for ev in pending_events:
                 if bar is not None:
                     bar.update(1)
                 yield ev
             stall = 0
-            while sched.has_work() or pending is not None or deferred:
-                if not sched.has_work() and pending is None:    # the constrained phase
+            while sched.has_work() or inflight or deferred:
+                if not sched.has_work() and not inflight:    # the constrained phase
                     self._set_spec_mode(False)
                     for seq in deferred:
                         sched.add(seq)
@@ -623,17 +632,20 @@ class Engine:
                     if plan.decode:
                         base["decode_calls"] += 1
                         base["decode_steps"] += plan.decode_steps
-                collected = pending is not None
-                if pending is not None:
-                    yield from self._collect(pending, emitted, bar, partial_events)
-                    pending = None
+                # apply earlier steps' results while this one runs; after a prefill-only step
+                # (short on the device) one more stays in flight, so the next step is issued
+                # before the host applies them (a finishing wave's results take a while)
+                keep = 1 if outs is not None and _prefill_only(plan, outs) else 0
+                collected = len(inflight) > keep
+                while len(inflight) > keep:
+                    yield from self._collect(inflight.popleft(), emitted, bar, partial_events)
                 if outs is not None:        # constrained sub-batches: masks, then sampling
                     self._sample_constrained(outs, watcher)
-                if outs is not None and not self.async_scheduling:
-                    yield from self._collect(outs, emitted, bar, partial_events)
-                    outs = None
-                pending = outs
-                if plan or pending is not None or collected:
+                    if self.async_scheduling:
+                        inflight.append(outs)
+                    else:
+                        yield from self._collect(outs, emitted, bar, partial_events)
+                if plan or inflight or collected:
                     stall = 0               # progress (collected: slots or pages may be free now)
                     continue
                 yield from self._drain_finished(emitted, bar)
@@ -649,9 +661,9 @@ class Engine:
             with self._cancel_lock:         # the run's cancels end with it
                 self._runs.remove(run)
                 self._ended_ids |= run.ids
-            if pending is not None:        # early close: finish the in-flight step
+            if inflight:                    # early close: finish the in-flight steps
                 jax.block_until_ready(self.state)
-                pending = None
+                inflight.clear()
             if sched.has_work():
                 sched.cancel({s.req.request_id for s in list(sched.waiting) + sched.running})
                 sched.finished.clear()
