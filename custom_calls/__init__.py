@@ -39,7 +39,8 @@ register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
 for _fn in (attention_mgpu, compressor_decode_mgpu):
     _fn.opt_in = True
-# The mHC post kernel: chosen on narrow streams only; the pre side picks its own path.
+# The mHC post kernel: chosen on narrow streams of 128 tokens or more only; the pre side
+# picks its own path.
 mhc_post_mgpu.prefers = mhc_prefers
 mhc_pre_mgpu.prefers = mhc_pre_prefers
 

@@ -32,6 +32,7 @@ a copy of the streams, so keep N a multiple of 8 in prefill).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,13 @@ def supported(streams) -> bool:
 # instead of 2.13 ms; both compiled in under half the time (the Sinkhorn leaves XLA's fusion).
 PREFER_MAX_STREAM_WIDTH = 1024
 
+# Fewest tokens for which narrow streams take the one-kernel pre side and the post kernel.
+# Below it (decode steps, short prompts) the pre side is the hybrid path and the post side
+# XLA's: the one kernel costs ~6 s of Mosaic GPU lowering (layout inference) and the post
+# kernel ~1.5 s in every program that holds them (the default model's decode step on an H100:
+# 8.8 s of its 11.5 s lowering), against a few microseconds a step at these token counts.
+ONE_KERNEL_MIN_TOKENS = 128
+
 
 def mhc_pre_prefers(streams, *args, **kwargs) -> bool:
     """The pre side's kernels are chosen at every supported width (`choose_pre_path`)."""
@@ -67,9 +75,12 @@ def mhc_pre_prefers(streams, *args, **kwargs) -> bool:
 
 
 def mhc_prefers(streams, *args, **kwargs) -> bool:
-    """Whether the platform preference takes the Mosaic mHC kernels for `streams` [N, n, D]."""
+    """Whether the platform preference takes the Mosaic mHC post kernel for `streams`
+    [N, n, D]: narrow streams, at least ONE_KERNEL_MIN_TOKENS tokens."""
     n, d = streams.shape[-2:]
-    return supported(streams) and n * d <= PREFER_MAX_STREAM_WIDTH
+    ntok = math.prod(streams.shape[:-2])
+    return (supported(streams) and n * d <= PREFER_MAX_STREAM_WIDTH
+            and ntok >= ONE_KERNEL_MIN_TOKENS)
 
 
 def _pad_tokens(x: jax.Array) -> jax.Array:
@@ -490,10 +501,10 @@ SPLIT_MIN_TOKENS = 2048
 
 
 def choose_pre_path(ntok: int, n: int, d: int) -> str:
-    """"one" (one kernel: narrow streams), "split" (two kernels: wide streams, many tokens) or
-    "hybrid" (XLA, Sinkhorn kernel)."""
+    """"one" (one kernel: narrow streams, many tokens), "split" (two kernels: wide streams,
+    many tokens) or "hybrid" (XLA, Sinkhorn kernel: fewer tokens)."""
     if n * d <= PREFER_MAX_STREAM_WIDTH:
-        return "one"
+        return "one" if ntok >= ONE_KERNEL_MIN_TOKENS else "hybrid"
     return "split" if ntok >= SPLIT_MIN_TOKENS else "hybrid"
 
 

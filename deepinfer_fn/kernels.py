@@ -13,9 +13,10 @@ Backends:
               Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`,
               for `linear` / `grouped_linear` on at most 64 rows (decode projections: the
               weight streamed once, also out of a scanned layer stack), and for
-              `mhc_pre` (one kernel on streams of n * D <= 1024; on wider streams a
-              split-D pair of kernels from 2048 tokens, below that XLA with the Sinkhorn
-              kernel), `mhc_post` on n * D <= 1024 (`fn.prefers`), and `sinkhorn` (the
+              `mhc_pre` (one kernel on streams of n * D <= 1024 from 128 tokens; on
+              wider streams a split-D pair of kernels from 2048 tokens; otherwise XLA with
+              the Sinkhorn kernel), `mhc_post` on n * D <= 1024 from 128 tokens
+              (`fn.prefers`), and `sinkhorn` (the
               unrolled Sinkhorn is most of XLA's compile time of a layer); `attention` and
               `compressor_decode` are opt-in (`fn.opt_in = True`: no faster than XLA at
               decode sizes): force any of them with `use` or DEEPINFER_KERNELS, e.g.

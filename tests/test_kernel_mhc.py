@@ -70,8 +70,8 @@ def test_sublayer_helpers_keep_leading_axes():
 
 def test_registered_and_preferred():
     """The mHC kernels are in the GPU preference where an sm_90 device is available: the pre
-    side (and the Sinkhorn) at every supported width, the post side for n * D <= 1024 only;
-    forcing them works at any width."""
+    side (and the Sinkhorn) at every supported width, the post side for n * D <= 1024 and at
+    least 128 tokens only; forcing them works at any width."""
     from custom_calls.mhc import mhc_pre_prefers, mhc_prefers
     for op, prefers in (("mhc_pre", mhc_pre_prefers), ("mhc_post", mhc_prefers),
                         ("sinkhorn", None)):
@@ -83,7 +83,8 @@ def test_registered_and_preferred():
         with kernels.use(op, "mosaic_gpu"):
             assert kernels.choose(op, "gpu") == "mosaic_gpu"
     narrow, wide = jnp.zeros((16, 4, 256), jnp.bfloat16), jnp.zeros((16, 4, 2048), jnp.bfloat16)
-    assert mhc_prefers(narrow) and not mhc_prefers(wide)
+    many = jnp.zeros((2, 64, 4, 256), jnp.bfloat16)       # [B, T, n, D]: 128 tokens
+    assert mhc_prefers(many) and not mhc_prefers(narrow) and not mhc_prefers(wide)
     assert mhc_pre_prefers(narrow) and mhc_pre_prefers(wide)
     for f in (mhc_prefers, mhc_pre_prefers):
         assert not f(narrow.astype(jnp.float32))          # unsupported: never preferred
@@ -96,7 +97,7 @@ def _ran_kernel(fn, *args) -> bool:
 
 
 def _pre(x, fn, base, scale, w):
-    return mhc_pre_mgpu(x, fn, base, scale, w, interpret=True, **KW)
+    return mhc_pre_mgpu(x, fn, base, scale, w, interpret=True, path="one", **KW)
 
 
 def _post(x, y, post, comb):
@@ -163,7 +164,7 @@ def test_sinkhorn_kernel_interpret(ntok):
 
 def test_pre_path_choice():
     from custom_calls.mhc import choose_mix_splits, choose_pre_path
-    assert choose_pre_path(16, 4, 256) == "one"
+    assert choose_pre_path(128, 4, 256) == "one" and choose_pre_path(127, 4, 256) == "hybrid"
     assert choose_pre_path(64, 4, 2048) == "hybrid" and choose_pre_path(4096, 4, 2048) == "split"
     assert choose_mix_splits(64, 32) == 2 and choose_mix_splits(1, 64) == 32
     with pytest.raises(ValueError, match="path"):
