@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     row = dict(model=args.model, program=args.program, device=str(jax.devices()[0].device_kind),
                deviceless=args.deviceless, kernels_env=os.environ.get("DEEPINFER_KERNELS", ""),
                lower_s_profiled=round(lower_s, 2),
-               layout_inference_s=round(profile_seconds(stats, "layout_inference.py:infer_layout"), 2),
+               layout_inference_s=round(
+                   profile_seconds(stats, "layout_inference.py:infer_layout"), 2),
                kernel_lowering_timed=timed, kernels_lowered=len(records),
                kernel_lowering_s=round(sum(r["seconds"] for r in records), 2),
                kernels=sorted(records, key=lambda r: -r["seconds"]))

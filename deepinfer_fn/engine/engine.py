@@ -32,10 +32,10 @@ and prepares step s+1 while the device runs step s; decode inputs stay on the de
 (`PagedState.last_token`), so only stop detection lags by one step (the extra token of a
 finished row is discarded). After a step that only prefills (short on the device) the host
 issues the next step before reading step s-1, so the device does not wait while the host
-applies a finishing wave's results. `async_scheduling=False` waits for every step before preparing the
-next. The two modes give the same tokens whenever a row's result does not depend on its batch
-neighbours (tested in f32 on CPU; the one-step lag changes batch compositions, so bf16 on a GPU
-is only guaranteed identical under batch-invariant numerics).
+applies a finishing wave's results. `async_scheduling=False` waits for every step before
+preparing the next. The two modes give the same tokens whenever a row's result does not depend
+on its batch neighbours (tested in f32 on CPU; the one-step lag changes batch compositions, so
+bf16 on a GPU is only guaranteed identical under batch-invariant numerics).
 
 Prefix cache (`prefix_cache=True`): full prompt blocks are inserted into a radix tree as soon as
 the step that completes them is dispatched; an admitted request sharing a cached prefix of h
