@@ -18,6 +18,11 @@ several devices, under a trace, or with the cache off is plain `jax.jit`.
 Programs that cannot be serialized (host callbacks) stay in memory only; `clear_memory()`
 drops the executables held in memory (as `jax.clear_caches()` does for jit's).
 
+A `Program` built with `quick_compile` (a predicate over the call's arguments) compiles the
+calls it accepts with `QUICK_COMPILE_OPTIONS`: small calls, such as a short prompt's prefill
+chunk, whose run time is microseconds while GEMM autotuning costs seconds of compile.
+`$DEEPINFER_QUICK_COMPILE` = `off` compiles every call with XLA's defaults.
+
 `$DEEPINFER_PROGRAM_CACHE` = `off` (or `0`, empty) turns it off, as does turning the
 persistent compilation cache off: a `Program` is then exactly `jax.jit`.
 """
@@ -50,11 +55,22 @@ SUBDIR = "deepinfer_programs"
 _FORMAT = 2
 _PACKAGES = ("deepinfer_fn", "custom_calls", "shardings")
 _ENV_PREFIXES = ("DEEPINFER_", "XLA_FLAGS", "LIBTPU_INIT_ARGS")
+QUICK_COMPILE_ENV = "DEEPINFER_QUICK_COMPILE"
+# XLA options of a call whose run time is negligible next to its compile (`quick_compile`):
+# dots stay library GEMMs instead of Triton fusions, which skips compiling and timing Triton
+# tile configurations (GEMM autotuning).
+QUICK_COMPILE_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 _ENV_IGNORED = (compile_cache.ENV_VAR, ENV_VAR, "DEEPINFER_MODEL_PATH", "DEEPINFER_DEBUG")
 
 
 class Unkeyable(Exception):
     """A static argument whose value has no faithful, process-independent text."""
+
+
+def quick_compile_enabled() -> bool:
+    """`$DEEPINFER_QUICK_COMPILE` = `off` (or `0`, empty) compiles every call with XLA's
+    default options."""
+    return os.environ.get(QUICK_COMPILE_ENV, "on").strip().lower() not in compile_cache.DISABLED
 
 
 def cache_dir() -> pathlib.Path | None:
@@ -208,12 +224,16 @@ class Program:
     disk (module docstring). Calls, `.lower`, `.trace` and `.eval_shape` behave as jit's."""
 
     def __init__(self, fun: Callable, *, static_argnums=(), static_argnames=(),
-                 donate_argnums=(), name: str | None = None):
+                 donate_argnums=(), name: str | None = None,
+                 quick_compile: Callable[..., bool] | None = None):
         static_argnums = (static_argnums,) if isinstance(static_argnums, int) else static_argnums
         static_argnames = ((static_argnames,) if isinstance(static_argnames, str)
                            else static_argnames)
-        self.jitted = jax.jit(fun, static_argnums=static_argnums,
-                              static_argnames=static_argnames, donate_argnums=donate_argnums)
+        jit = functools.partial(jax.jit, fun, static_argnums=static_argnums,
+                                static_argnames=static_argnames, donate_argnums=donate_argnums)
+        self.jitted = jit()
+        self.quick_compile = quick_compile
+        self.quick_jitted = jit(compiler_options=QUICK_COMPILE_OPTIONS) if quick_compile else None
         self.signature = inspect.signature(fun)
         names = list(self.signature.parameters)
         self.static = frozenset(static_argnames) | {names[i] for i in static_argnums}
@@ -226,6 +246,14 @@ class Program:
 
     def __getattr__(self, attr):          # lower, trace, eval_shape, clear_cache, ...
         return getattr(self.jitted, attr)
+
+    def jit_for(self, *args, **kwargs):
+        """The jitted function this call compiles with: `quick_jitted` where `quick_compile`
+        says the call is small (and `$DEEPINFER_QUICK_COMPILE` is not off), else `jitted`."""
+        if (self.quick_jitted is not None and quick_compile_enabled()
+                and self.quick_compile(*args, **kwargs)):
+            return self.quick_jitted
+        return self.jitted
 
     def _split(self, args, kwargs):
         """(static values by name, dynamic positional args, dynamic kwargs)."""
@@ -256,7 +284,8 @@ class Program:
             return None
         if any(p is None for p in parts):
             return None
-        return (tuple(sorted(static.items())), len(dyn_args), parts), dyn_args, dyn_kwargs
+        quick = self.jit_for(*args, **kwargs) is self.quick_jitted
+        return (tuple(sorted(static.items())), len(dyn_args), parts, quick), dyn_args, dyn_kwargs
 
     def _arg_signature(self, arg):
         """(treedef, leaf signatures) of one argument, or None; remembered for the last
@@ -280,8 +309,8 @@ class Program:
     def disk_text(self, memory) -> str:
         """The call-specific part of the disk key (raises `Unkeyable` for a static value
         without a faithful text)."""
-        static, n_positional, parts = memory
-        text = ",".join(f"{k}={static_text(v)}" for k, v in static)
+        static, n_positional, parts, quick = memory
+        text = ",".join(f"{k}={static_text(v)}" for k, v in static) + f";quick={quick}"
 
         def part_text(part):
             if len(part) == 2 and isinstance(part[0], str):      # a keyword argument
@@ -293,14 +322,14 @@ class Program:
     def __call__(self, *args, **kwargs):
         keyed = self.key(args, kwargs) if cache_dir() is not None else None
         if keyed is None:
-            return self.jitted(*args, **kwargs)
+            return self.jit_for(*args, **kwargs)(*args, **kwargs)
         memory, dyn_args, dyn_kwargs = keyed
         compiled = self._memory.get(memory)
         if compiled is None:
             try:
                 finish = self._stage(memory, args, kwargs)
             except Unkeyable:
-                return self.jitted(*args, **kwargs)
+                return self.jit_for(*args, **kwargs)(*args, **kwargs)
             compiled = finish() if finish is not None else self._memory[memory]
         return compiled(*dyn_args, **dyn_kwargs)
 
@@ -317,7 +346,7 @@ class Program:
                 return self._stage(keyed[0], args, kwargs)
         except Unkeyable:
             pass
-        return self.jitted.lower(*args, **kwargs).compile
+        return self.jit_for(*args, **kwargs).lower(*args, **kwargs).compile
 
     def prepare(self, *args, **kwargs) -> None:
         """`stage` and run its thunk here."""
@@ -336,7 +365,7 @@ class Program:
             with self._lock:
                 self._memory.setdefault(memory, compiled)
             return None
-        lowered = self.jitted.lower(*args, **kwargs)
+        lowered = self.jit_for(*args, **kwargs).lower(*args, **kwargs)
 
         def finish():
             compiled = _compile(lowered, path)
@@ -347,7 +376,7 @@ class Program:
 
 def program(fun: Callable | None = None, **jit_kwargs):
     """Decorator: `Program(fun, **jit_kwargs)` (jit_kwargs: static_argnums, static_argnames,
-    donate_argnums, name)."""
+    donate_argnums, name, quick_compile)."""
     if fun is None:
         return lambda f: Program(f, **jit_kwargs)
     return Program(fun, **jit_kwargs)

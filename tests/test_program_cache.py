@@ -247,3 +247,44 @@ def test_second_engine_process_warms_up_from_stored_programs(tmp_path):
     assert second["tokens"] == first["tokens"]
     assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
     assert second["warm"] == second["warm_hits"] == second["loaded"] and second["run"] == 0
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_quick_compile_options_reach_xla_for_small_calls_only(cached, tmp_path, monkeypatch):
+    """Small calls compile with QUICK_COMPILE_OPTIONS, others with XLA's defaults. An option
+    XLA rejects proves where the options go; `$DEEPINFER_QUICK_COMPILE=off` turns it off."""
+    old = jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv(program_cache.ENV_VAR, raising=False)
+    monkeypatch.delenv(program_cache.QUICK_COMPILE_ENV, raising=False)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path) if cached else None)
+    monkeypatch.setattr(program_cache, "QUICK_COMPILE_OPTIONS", {"xla_no_such_option": 1})
+    try:
+        prog = _fresh(lambda x: x * 2, name="double",
+                      quick_compile=lambda x: x.shape[0] <= 4)
+        assert (program_cache.cache_dir() is not None) == cached
+        big, small = jnp.ones((8,)), jnp.ones((4,))
+        assert prog.jit_for(big) is prog.jitted and prog.jit_for(small) is prog.quick_jitted
+        assert float(prog(big).sum()) == 16.0
+        with pytest.raises(Exception, match="xla_no_such_option"):
+            prog(small)
+        with pytest.raises(Exception, match="xla_no_such_option"):
+            finish = prog.stage(jax.ShapeDtypeStruct((3,), jnp.float32))
+            finish()
+        monkeypatch.setenv(program_cache.QUICK_COMPILE_ENV, "off")
+        assert prog.jit_for(small) is prog.jitted
+        assert float(prog(small).sum()) == 8.0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)
+        program_cache.clear_memory()
+
+
+def test_generate_prefill_of_a_short_prompt_is_a_quick_compile():
+    from deepinfer_fn.decoding import prefill
+    sd = jax.ShapeDtypeStruct
+    small = sd((1, 16), jnp.int32)
+    big = sd((1, 2 * prefill.QUICK_COMPILE_MAX_TOKENS), jnp.int32)
+    assert prefill.prefill_forward.jit_for(None, None, small, None) \
+        is prefill.prefill_forward.quick_jitted
+    assert prefill.prefill_forward.jit_for(None, None, big, None) is prefill.prefill_forward.jitted
+    # rows count: 8 rows of 16 tokens are not small
+    assert not prefill.is_small_chunk(None, None, sd((8, 16), jnp.int32), None)

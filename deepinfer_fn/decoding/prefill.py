@@ -64,7 +64,17 @@ def keep_last(prev, new, ends_here):
     return jax.tree.map(pick, new, prev)
 
 
-@program(donate_argnums=(1,), static_argnames=("bounded_replay",))
+# Prefill chunks of at most this many tokens (rows x width) compile with
+# `program_cache.QUICK_COMPILE_OPTIONS`: their run time is negligible, their compile is not.
+QUICK_COMPILE_MAX_TOKENS = 64
+
+
+def is_small_chunk(params, state, chunk, *args, **kwargs) -> bool:
+    """Whether a prefill chunk [B, c] has at most QUICK_COMPILE_MAX_TOKENS tokens."""
+    return chunk.shape[0] * chunk.shape[1] <= QUICK_COMPILE_MAX_TOKENS
+
+
+@program(donate_argnums=(1,), static_argnames=("bounded_replay",), quick_compile=is_small_chunk)
 def prefill_forward(params: Params, state: DecodeState, chunk, n_new, *,
                     bounded_replay: bool = False):
     """One prefill chunk [B, c] against the state (donated): (last-token logits [B,V], state).
