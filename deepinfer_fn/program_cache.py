@@ -178,11 +178,13 @@ def signature_text(sig) -> str:
 
 @dataclasses.dataclass
 class Stats:
-    """Counts of one process: executables loaded from disk, compiled here, stored."""
+    """Counts of one process: executables loaded from disk, compiled here, stored (and the
+    seconds spent loading, and serializing + writing)."""
     loaded: int = 0
     compiled: int = 0
     stored: int = 0
     load_seconds: float = 0.0
+    store_seconds: float = 0.0
 
 
 stats = Stats()
@@ -415,6 +417,14 @@ def _load(path: pathlib.Path, name: str):
 
 
 def _store(path: pathlib.Path, compiled) -> None:
+    t0 = time.perf_counter()
+    try:
+        _write(path, compiled)
+    finally:
+        stats.store_seconds += time.perf_counter() - t0
+
+
+def _write(path: pathlib.Path, compiled) -> None:
     try:
         serialized, in_tree, out_tree = serialize_executable.serialize(compiled)
         device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
