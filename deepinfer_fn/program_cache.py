@@ -251,7 +251,8 @@ class Program:
 
     def jit_for(self, *args, **kwargs):
         """The jitted function this call compiles with: `quick_jitted` where `quick_compile`
-        says the call is small (and `$DEEPINFER_QUICK_COMPILE` is not off), else `jitted`."""
+        says the call is small (and `$DEEPINFER_QUICK_COMPILE` is not off), else `jitted`
+        (which `.lower` and the other jit attributes always use)."""
         if (self.quick_jitted is not None and quick_compile_enabled()
                 and self.quick_compile(*args, **kwargs)):
             return self.quick_jitted
