@@ -96,7 +96,7 @@ def _scale(x, y, *, k: int, mode: str = "add"):
 def test_keys_separate_static_values_shapes_dtypes_and_kernels(cache_dir, monkeypatch):
     prog = _fresh(_scale, static_argnames=("k", "mode"), name="scale")
     x = jnp.ones((4,))
-    before = program_cache.stats.compiled
+    before, store_s = program_cache.stats.compiled, program_cache.stats.store_seconds
     assert float(prog(x, x, k=2)[0]) == 3.0
     assert float(prog(x, x, k=3)[0]) == 4.0                 # static value
     assert float(prog(x, x, k=3, mode="sub")[0]) == 2.0     # static string
@@ -105,6 +105,7 @@ def test_keys_separate_static_values_shapes_dtypes_and_kernels(cache_dir, monkey
     prog(x, np.ones((4,), np.float32), k=2)                 # numpy = default device: same key
     prog(x, y=x, k=2)                                       # keyword: a different in-tree
     assert program_cache.stats.compiled - before == 6 == _entries(cache_dir)
+    assert program_cache.stats.store_seconds > store_s      # the writes are timed
     # the environment part: kernel choices and DEEPINFER_ variables
     base = program_cache.environment_key()
     other = next(i for i in kernel_registry.implementations("grouped_matmul")
