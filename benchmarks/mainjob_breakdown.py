@@ -18,6 +18,9 @@ Arms (environment):
                   XLA's defaults)
   no_cache        DEEPINFER_COMPILE_CACHE=off (nothing written: cold minus the cache writes)
   no_cache_no_quick
+  cold_chunked    a fresh directory, DEEPINFER_LOOP_PREFILL=off (the prompt through the chunked
+                  prefill program instead of the decode loop)
+  no_cache_chunked
 
     python benchmarks/mainjob_breakdown.py --out benchmarks/results/mainjob_breakdown.json
     python benchmarks/mainjob_breakdown.py --arms cold,warm --max-new-tokens 8   # a CPU smoke
@@ -38,7 +41,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = ("cold", "warm", "cold_no_quick", "no_cache", "no_cache_no_quick")
+ARMS = ("cold", "warm", "cold_no_quick", "no_cache", "no_cache_no_quick", "cold_chunked",
+        "no_cache_chunked")
 JOB = ["generate", "--prompt", "import os", "--temperature", "0.7", "--top-p", "0.95"]
 MARK = "MAINJOB_BREAKDOWN "
 
@@ -47,7 +51,8 @@ def arm_env(arm: str, cache_dirs: dict) -> dict:
     """The environment of one arm (cache_dirs: arm -> its directory, filled here)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COMPILATION_CACHE_DIR", "DEEPINFER_COMPILE_CACHE",
-                        "DEEPINFER_PROGRAM_CACHE", "DEEPINFER_QUICK_COMPILE")}
+                        "DEEPINFER_PROGRAM_CACHE", "DEEPINFER_QUICK_COMPILE",
+                        "DEEPINFER_LOOP_PREFILL")}
     env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     if arm.startswith("no_cache"):
         env["DEEPINFER_COMPILE_CACHE"] = "off"
@@ -58,6 +63,8 @@ def arm_env(arm: str, cache_dirs: dict) -> dict:
         env["DEEPINFER_COMPILE_CACHE"] = cache_dirs[source]
     if arm.endswith("no_quick"):
         env["DEEPINFER_QUICK_COMPILE"] = "off"
+    if arm.endswith("chunked"):
+        env["DEEPINFER_LOOP_PREFILL"] = "off"
     return env
 
 

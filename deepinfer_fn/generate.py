@@ -4,7 +4,9 @@
 row b has lengths[b] real tokens, the rest of the row is ignored) in fixed-size chunks, then
 runs one jitted decode loop that samples, feeds each row its own token and stops rows
 independently; the decode state is donated, and nothing returns to the host until the end.
-`speculative=` runs the speculative loop of the named drafter instead, `constraint=` the
+A batch of short prompts (padded width <= `plain.LOOP_PREFILL_MAX_TOKENS`) skips the chunked
+prefill: the decode loop feeds the prompt tokens one step each, so the call compiles one
+model program instead of two. `speculative=` runs the speculative loop of the named drafter instead, `constraint=` the
 grammar-masked variant of either.
 
 The pieces live in `deepinfer_fn.decoding`: `output` (GenerateOutput), `checks` (argument
@@ -28,8 +30,9 @@ from deepinfer_fn.decoding.checks import (check_bounded_replay, check_options, c
                                           check_stop_tokens)
 from deepinfer_fn.decoding.constrained import constrained_blocks
 from deepinfer_fn.decoding.output import GenerateOutput
-from deepinfer_fn.decoding.plain import (decode_block, decode_width, feeds_last_token,
-                                         plain_blocks, stop_array)
+from deepinfer_fn.decoding.plain import (LOOP_PREFILL_MAX_TOKENS, decode_block, decode_width,
+                                         feeds_last_token, loop_prompt, plain_blocks, stop_array,
+                                         uses_loop_prefill)
 from deepinfer_fn.decoding.prefill import (bucket, empty_state, prefill, prefill_forward,
                                            prefill_width)
 from deepinfer_fn.decoding.rows import mesh_rows, on_mesh
@@ -63,6 +66,9 @@ def generate(params: Params | bundle.Model, tokens, *, lengths=None, max_new_tok
     (default T). Sampling arguments are scalars or per-row sequences (temperature 0 = greedy);
     a row's randomness depends only on its seed and positions, never on the batch. A row stops
     after emitting any of `stop_tokens`; positions after it hold `pad_id` (default eos).
+    Prompts of at most 16 tokens (the padded width) are fed through the decode loop's model
+    step instead of a prefill chunk (same tokens up to last-ulp differences between a chunk
+    and single-token steps; DEEPINFER_LOOP_PREFILL=off uses the chunked prefill).
 
     constraint: a `deepinfer_fn.Regex`, `JsonSchema` or `Grammar` for every row, or a list of B
     (None = free row), compiled against `tokenizer` (a `deepinfer_fn.text.Tokenizer`; default:
@@ -246,9 +252,15 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
     done = jax.device_put(np.arange(Bp) >= B)  # mesh padding rows never decode
     stops = stop_array(stop_tokens)
     width = decode_width(max_new_tokens, block)
-    with mesh_context(params)[1]:
-        logits, state = prefill(params, state, tokens, lengths, prefill_chunk,
-                                bounded_replay=bounded_replay)
+    prompt = None
+    if uses_loop_prefill(tokens.shape[1], sharded=mesh is not None,
+                         constrained=constrained is not None, bounded_replay=bounded_replay):
+        prompt = loop_prompt(tokens, lengths)  # the decode loop feeds them: no prefill program
+        logits = jax.device_put(np.zeros((Bp, cfg.vocab_size), np.float32))
+    else:
+        with mesh_context(params)[1]:
+            logits, state = prefill(params, state, tokens, lengths, prefill_chunk,
+                                    bounded_replay=bounded_replay)
     if constrained is not None:
         yield from constrained_blocks(params, state, logits, done, sampling, pad, constrained,
                                       B=B, max_new_tokens=max_new_tokens, block=block,
@@ -257,7 +269,8 @@ def _generate_blocks(params, tokens, lengths, *, max_new_tokens, block, temperat
         return
     yield from plain_blocks(params, state, logits, done, sampling, pad, B=B,
                             max_new_tokens=max_new_tokens, block=block, stops=stops,
-                            width=width, return_logprobs=return_logprobs)
+                            width=width, return_logprobs=return_logprobs, prompt=prompt)
+
 
 def generate_programs(params: Params, batch: int, prompt_len: int, max_new_tokens: int, *,
                       block: int | None = None, prefill_chunk: int = 512,
@@ -266,7 +279,8 @@ def generate_programs(params: Params, batch: int, prompt_len: int, max_new_token
                       decoder_swa_bounded_replay: bool | None = None) -> list[Job]:
     """The programs a single-device `generate` (block None) or `stream_generate(block=)` call
     with these shapes runs, as `compile_cache.Job`s: the empty state, the prefill chunk, and
-    the decode loop (`feeds_last_token`). `precompile(generate_programs(...))` compiles
+    the decode loop (`feeds_last_token`); prompts of at most `LOOP_PREFILL_MAX_TOKENS` tokens
+    have no prefill program (the decode loop feeds them, `plain.uses_loop_prefill`). `precompile(generate_programs(...))` compiles
     them in parallel; JAX's in-memory and persistent caches then serve the real call.
     decoder_swa_bounded_replay: as `generate` (None: on for V4.1), picks the prefill program."""
     cfg = params.config
@@ -285,12 +299,15 @@ def generate_programs(params: Params, batch: int, prompt_len: int, max_new_token
              if constrained else ())
     width = decode_width(max_new_tokens, block)
     jobs = [Job(empty_state, (cfg, batch, capacity), dict(window_slots=window_slots,
-                                                           dtype=params.dtype)),
-            Job(prefill_forward, (params, state,
-                                  i32(batch, prefill_width(prompt_len, prefill_chunk)),
-                                  i32(batch)), dict(bounded_replay=bounded_replay))]
-    jobs.append(Job(decode_block, (params, state, logits, done, sampling, i32()) + masks,
-                    dict(n=width, stops=stops, limit=i32(),
-                         feed_last=feeds_last_token(max_new_tokens, block))))
+                                                           dtype=params.dtype))]
+    loop = dict(n=width, stops=stops, limit=i32(),
+                feed_last=feeds_last_token(max_new_tokens, block))
+    if uses_loop_prefill(prompt_len, constrained=constrained, bounded_replay=bounded_replay):
+        loop["prompt"] = (i32(batch, LOOP_PREFILL_MAX_TOKENS), i32(batch))
+    else:
+        jobs.append(Job(prefill_forward, (params, state,
+                                          i32(batch, prefill_width(prompt_len, prefill_chunk)),
+                                          i32(batch)), dict(bounded_replay=bounded_replay)))
+    jobs.append(Job(decode_block, (params, state, logits, done, sampling, i32()) + masks, loop))
     return jobs
 

@@ -10,6 +10,7 @@ constrained rows (one host callback per step, `deepinfer_fn.decoding.constrained
 from __future__ import annotations
 
 import functools
+import os
 from typing import Sequence
 
 import jax
@@ -31,13 +32,18 @@ from deepinfer_fn.state import DecodeState
 @program(static_argnames=("n", "feed_last"), donate_argnums=(1,))
 def decode_block(params: Params, state: DecodeState, logits, done, sampling: SamplingParams,
                  pad_id, masks=None, session=None, *, n: int, stops, limit=None,
-                 feed_last: bool):
+                 feed_last: bool, prompt=None):
     """Samples up to `limit` (traced int32, <= n; default n) tokens per row inside one
     `lax.while_loop`, feeding each row its own token (rows that stopped feed nothing and keep
     their state). n (static) is the output width: one compiled program serves every
     limit <= n. stops: int32 [S] stop tokens (-1 = none; `stop_array`). Returns
     (tokens [B,n], logprobs [B,n], counts [B], state, next logits [B,V], done [B]);
     with feed_last=False the limit-th token is not fed (no wasted model step at the end).
+
+    prompt: optional (tokens int32 [B,P], lengths int32 [B]): each row first feeds its
+    lengths[b] prompt tokens, one per step through the same model step (the loop prefill of
+    short prompts; `logits` is ignored for rows with lengths[b] > 0), then samples its up to
+    `limit` tokens from the logits of its last prompt token. Rows with length 0 sample at once.
 
     Constrained (masks: packed allowed-token bits uint32 [B, ceil(V/32)] for the first step;
     session: int32 id of a registered `structured.ConstrainedBatch`): each step samples under
@@ -48,6 +54,11 @@ def decode_block(params: Params, state: DecodeState, logits, done, sampling: Sam
     B = logits.shape[0]
     limit = jnp.int32(n) if limit is None else jnp.minimum(limit, n)
     constrained = masks is not None
+    if prompt is not None:
+        if constrained:
+            raise ValueError("decode_block: prompt= (loop prefill) does not take grammar masks")
+        return _prompted_block(params, state, logits, done, sampling, pad_id, prompt, n=n,
+                               stops=stops, limit=limit, feed_last=feed_last)
 
     def cond(loop):
         i, done = loop[0], loop[6]
@@ -91,6 +102,51 @@ def decode_block(params: Params, state: DecodeState, logits, done, sampling: Sam
     return (out, logp, count, state, logits, done, *rest)
 
 
+def _prompted_block(params, state, logits, done, sampling, pad_id, prompt, *, n, stops, limit,
+                    feed_last):
+    """`decode_block` with a loop prefill: at iteration i row b feeds prompt token i while
+    i < lengths[b], then samples its output j = i - lengths[b] (j < limit). A row's tokens,
+    keys (positions) and stops are those of the plain loop after a chunked prefill."""
+    tokens, plen = prompt
+    B, P = tokens.shape
+    plen = jnp.asarray(plen, jnp.int32)
+    columns = jnp.arange(n, dtype=jnp.int32)[None]
+
+    def cond(loop):
+        i, done = loop[0], loop[6]
+        return (i < limit + jnp.max(plen)) & ~jnp.all(done | (i - plen >= limit))
+
+    def body(loop):
+        i, state, logits, out, logp, count, done = loop
+        j = i - plen                                       # output index per row; < 0: prompt
+        prefilling = j < 0
+        emit = ~prefilling & (j < limit) & ~done
+        token, lp = sample(logits, sampling, state.lengths)
+        here = (columns == j[:, None]) & emit[:, None]      # [B, n]: this step's output column
+        out = jnp.where(here, token[:, None], out)
+        logp = jnp.where(here, lp[:, None], logp)
+        count = count + emit.astype(jnp.int32)
+        done = done | (emit & jnp.isin(token, stops))
+        sampled_feed = emit if feed_last else emit & (j + 1 < limit)
+        feed = prefilling | sampled_feed
+        fed = jnp.where(prefilling, tokens[:, jnp.clip(i, 0, P - 1)], token)
+
+        def step(args):
+            state, logits = args
+            new, state, _ = transformer.forward_chunk(params, state, fed[:, None],
+                                                      feed.astype(jnp.int32))
+            # rows that fed nothing keep their logits (a later block samples from them)
+            return state, jnp.where(feed[:, None], new, logits)
+
+        state, logits = jax.lax.cond(jnp.any(feed), step, lambda a: a, (state, logits))
+        return (i + 1, state, logits, out, logp, count, done)
+
+    init = (jnp.int32(0), state, logits, jnp.full((B, n), pad_id, jnp.int32),
+            jnp.zeros((B, n), jnp.float32), jnp.zeros((B,), jnp.int32), done)
+    _, state, logits, out, logp, count, done = jax.lax.while_loop(cond, body, init)
+    return out, logp, count, state, logits, done
+
+
 def feeds_last_token(max_new_tokens: int, block: int) -> bool:
     """decode_block's feed_last for a run of max_new_tokens in blocks of `block`: False for a
     single block (no model step after the last token), True when streaming in several, so
@@ -116,9 +172,12 @@ def stop_array(stop_tokens: Sequence[int]) -> jax.Array:
 
 def plain_blocks(params: Params, state: DecodeState, logits, done, sampling: SamplingParams,
                  pad, *, B: int, max_new_tokens: int, block: int, stops, width: int,
-                 return_logprobs: bool):
+                 return_logprobs: bool, prompt=None):
     """`GenerateOutput`s of up to `block` tokens per row after the prefill (logits [Bp,V] of
-    each row's last prompt token; rows >= B are mesh padding, done from the start)."""
+    each row's last prompt token; rows >= B are mesh padding, done from the start).
+    prompt: the loop prefill's (tokens [Bp,P], lengths [Bp]) (`loop_prompt`; then `logits`
+    is a placeholder): the first block feeds them, later blocks the same arrays with
+    lengths 0, so every block runs one program."""
     produced = 0
     while produced < max_new_tokens:
         n = min(block, max_new_tokens - produced)
@@ -126,7 +185,10 @@ def plain_blocks(params: Params, state: DecodeState, logits, done, sampling: Sam
         with mesh_context(params)[1]:
             out, logp, count, state, logits, done = decode_block(
                 params, state, logits, done, sampling, pad, n=width, stops=stops,
-                limit=np.int32(n), feed_last=feeds_last_token(max_new_tokens, block))
+                limit=np.int32(n), feed_last=feeds_last_token(max_new_tokens, block),
+                prompt=prompt)
+        if prompt is not None:
+            prompt = (prompt[0], jax.device_put(np.zeros(prompt[1].shape, np.int32)))
         produced += n
         # Sliced on the host: a device slice would compile a program per (rows, n).
         out_h, count_h, done_h, logp_h = jax.device_get((out, count, done, logp))
@@ -134,3 +196,30 @@ def plain_blocks(params: Params, state: DecodeState, logits, done, sampling: Sam
                              logp_h[:B, :n] if return_logprobs else None)
         if last or bool(done_h[:B].all()):
             return
+
+
+# Prompts of at most this many tokens (the padded width) are fed by generate's decode loop
+# itself (`decode_block(prompt=)`): a call then compiles no prefill program, whose compile
+# costs more than the short prompt's steps. DEEPINFER_LOOP_PREFILL=off turns it off.
+LOOP_PREFILL_MAX_TOKENS = 16
+
+
+def uses_loop_prefill(prompt_len: int, *, sharded: bool = False, constrained: bool = False,
+                      bounded_replay: bool = False) -> bool:
+    """Whether generate feeds a [B, prompt_len] prompt batch through its decode loop instead
+    of `prefill.prefill_forward`: single-device plain runs of short prompts (the chunked
+    prefill keeps sharded, constrained, speculative and bounded-replay runs)."""
+    if os.environ.get("DEEPINFER_LOOP_PREFILL", "").strip().lower() in ("0", "off", "false"):
+        return False
+    return (int(prompt_len) <= LOOP_PREFILL_MAX_TOKENS and not sharded and not constrained
+            and not bounded_replay)
+
+
+def loop_prompt(tokens: np.ndarray, lengths: np.ndarray):
+    """The loop prefill's device arrays: (tokens int32 [B, LOOP_PREFILL_MAX_TOKENS], lengths
+    int32 [B]) from right-padded prompts [B, T <= LOOP_PREFILL_MAX_TOKENS]."""
+    B, T = tokens.shape
+    assert T <= LOOP_PREFILL_MAX_TOKENS, (T, LOOP_PREFILL_MAX_TOKENS)
+    padded = np.zeros((B, LOOP_PREFILL_MAX_TOKENS), np.int32)
+    padded[:, :T] = tokens
+    return jax.device_put(padded), jax.device_put(np.asarray(lengths, np.int32))
