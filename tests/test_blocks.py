@@ -270,3 +270,22 @@ def test_grouped_dispatch_equals_dense_experts():
             u = np.clip(x[i] @ p["w3"][ee], -10, 10)
             want[i] += w[i, j] * ((g / (1 + np.exp(-g)) * u) @ p["w2"][ee])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [6, 384, 1500])   # one-hot reductions up to ONE_HOT_MAX, then scatters
+def test_expert_counts_and_inverse_permutation(n):
+    from deepinfer_fn.model import experts
+    rng = np.random.default_rng(n)
+    flat = rng.integers(0, 64, n).astype(np.int32)
+    got = np.asarray(jax.jit(experts.counts, static_argnums=1)(jnp.asarray(flat), 64))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.bincount(flat, minlength=64))
+    order = rng.permutation(n).astype(np.int32)
+    inv = np.asarray(jax.jit(experts.inverse_permutation)(jnp.asarray(order)))
+    np.testing.assert_array_equal(inv[order], np.arange(n))
+    flat_order = np.argsort(flat, kind="stable").astype(np.int32)
+    pos = np.asarray(jax.jit(experts.sorted_positions)(jnp.asarray(flat), jnp.asarray(flat_order)))
+    np.testing.assert_array_equal(pos[flat_order], np.arange(n))
+    rows = rng.standard_normal((n, 3)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(experts.unsort(jnp.asarray(rows), jnp.asarray(order))),
+                                  rows[np.argsort(order)])

@@ -268,3 +268,42 @@ def test_abstract_params_v4_flash_lowers():
                                                  jax.ShapeDtypeStruct((1,), jnp.int32))
     text = lowered.as_text()
     assert "while" in text or "stablehlo.while" in text
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("B,K", [(1, 1), (1, 3), (3, 1), (2, 2)])
+def test_put_rows_and_deferred_writes(stacked, B, K):
+    """`_put_rows` (a single row written as a padded pair) and `_write_after` + `_apply_writes`
+    write rows at [layer, b, idx[b, k]], out-of-range indices dropped, like a loop."""
+    from deepinfer_fn.model import cached
+    rng = np.random.default_rng(B * 10 + K)
+    R, N, d = 3, 5, 4
+    buf = rng.standard_normal((R, B, N, d) if stacked else (B, N, d)).astype(np.float32)
+    pos = rng.integers(0, 100, (R, B, N) if stacked else (B, N)).astype(np.int32)
+    vals = rng.standard_normal((B, K, d)).astype(np.float32)
+    vpos = rng.integers(0, 100, (B, K)).astype(np.int32)
+    layer = 1 if stacked else None
+    for idx in (rng.permutation(N + 1)[:B * K].reshape(B, K),   # N: dropped
+                np.full((B, K), N), np.zeros((B, K), int) + np.arange(K)):
+        idx = idx.astype(np.int32)
+        want, want_pos = buf.copy(), pos.copy()
+        for b in range(B):
+            for k in range(K):
+                if idx[b, k] < N:
+                    at = (layer, b, idx[b, k]) if stacked else (b, idx[b, k])
+                    want[at], want_pos[at] = vals[b, k], vpos[b, k]
+        st = {"kv": jnp.asarray(buf), "pos": jnp.asarray(pos)}
+
+        @jax.jit
+        def run(st, idx, vals, vpos, anchor):
+            anchor, writes = cached._write_after(anchor, [("kv", idx, vals), ("pos", idx, vpos)])
+            return anchor, cached._apply_writes(st, layer, writes)
+
+        anchor, got = run(st, jnp.asarray(idx), jnp.asarray(vals), jnp.asarray(vpos),
+                          jnp.ones(2))
+        np.testing.assert_array_equal(np.asarray(got["kv"]), want)
+        np.testing.assert_array_equal(np.asarray(got["pos"]), want_pos)
+        np.testing.assert_array_equal(np.asarray(anchor), np.ones(2))
+        np.testing.assert_array_equal(
+            np.asarray(cached._put_rows(st["kv"], layer, jnp.asarray(idx), jnp.asarray(vals))),
+            want)

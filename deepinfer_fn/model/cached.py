@@ -9,8 +9,11 @@ Stacked state (a scanned layer group, `layer_groups.py`): with `layer` = the lay
 r in its group, every state leaf is [repeats, B, ...] and layer r's entries are read at
 [r] and written IN PLACE as scatters at [r, b, slot] (ring slots, new rows), never by
 rebuilding the layer's state; the returned dict holds the whole stacked arrays. A ring is
-read before it is written: `_read_before_write` orders the read first, so the write can stay
-in place (otherwise XLA copies the whole stacked ring to keep the old value alive).
+read before it is written: its writes take their values through `_write_after` with a result
+that every read of the ring feeds (the layer's attention output; for `compressor_chunk` alone
+its new rows), so the writes stay in place (otherwise XLA copies the whole ring to keep the
+old entries alive) while the reads stay free to fuse into their consumers (no kernel that
+copies a layer's ring out of the stack, no copy of an unstacked ring).
 """
 
 from __future__ import annotations
@@ -50,21 +53,50 @@ def _read(st: dict, key: str, layer):
     return st[key] if layer is None else st[key][layer]
 
 
-def _read_before_write(reads, writes):
-    """(reads, writes) unchanged, with every value to be written depending on the reads: the
-    in-place scatters of a ring cannot be scheduled before the ring's old entries are read."""
-    return jax.lax.optimization_barrier((reads, writes))
+def _write_after(anchor, writes):
+    """(anchor, writes) unchanged, with every value to be written depending on `anchor`: the
+    in-place scatters of a ring cannot be scheduled before the ring's old entries are read,
+    as long as every read of the ring feeds `anchor`. writes: (key, slot, values) triples
+    (only the values pass the barrier)."""
+    anchor, values = jax.lax.optimization_barrier((anchor, [v for _, _, v in writes]))
+    return anchor, [(k, slot, v) for (k, slot, _), v in zip(writes, values)]
+
+
+def _apply_writes(st: dict, layer, writes, out: dict | None = None) -> dict:
+    """`out` (default {}) with each (key, slot [B, S], values [B, S, ...]) of `writes` put into
+    st[key] (`_put_rows`)."""
+    out = {} if out is None else out
+    for key, slot, values in writes:
+        out[key] = _put_rows(st[key], layer, slot, values)
+    return out
 
 
 def _put_rows(buf, layer, idx, values):
     """buf [(repeats,) B, N, ...] with values [B, K, ...] written at [(layer,) b, idx[b, k]]
-    (idx out of range: dropped)."""
+    (idx out of range: dropped).
+
+    A single row (B = K = 1: a batch-1 decode step) is written as two, the second always
+    dropped: XLA turns a one-row scatter into a dynamic-update-slice plus a separate kernel
+    that reads the old row (the dropped case), where a scatter is one kernel."""
+    if idx.shape == (1, 1):
+        idx = jnp.concatenate([idx, jnp.full_like(idx, buf.shape[-values.ndim + 1])], 1)
+        values = jnp.concatenate([values, values], 1)
     b = jnp.arange(idx.shape[0])[:, None]
     where = (b, idx) if layer is None else (layer, b, idx)
     return buf.at[where].set(values.astype(buf.dtype), mode="drop")
 
 
 def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
+                     st: dict, prefix: str = "", row_floor=None, layer=None):
+    """`_compressor_rows` with the ring writes applied (ordered after the new rows, which
+    every read of the ring feeds). Returns the updated entries."""
+    out, writes = _compressor_rows(p, x, start, n_new, ratio, overlap, freqs, eps, st, prefix,
+                                   row_floor, layer)
+    (out, writes) = _write_after(out, writes)
+    return _apply_writes(st, layer, writes, out)
+
+
+def _compressor_rows(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
                      st: dict, prefix: str = "", row_floor=None, layer=None):
     """Advances one compressor over a chunk: emits the rows of every window the chunk
     completes (at index = global window number, RoPE at m * w, §4.3, §4.8) and writes the
@@ -80,7 +112,9 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     x [B,S,D]; start/n_new [B]. row_floor [B] (optional, token positions, a multiple of m):
     rows of windows starting below it are not written (they already hold exact shared rows:
     the engine's prefix-cache replay, docs/MODEL.md §7). layer: the index into stacked
-    state leaves (module docstring) or None. Returns the updated entries.
+    state leaves (module docstring) or None. Returns (the updated rows entry, the ring writes
+    as (key, slot, values) for `_apply_writes`): the caller orders the ring writes after every
+    use of the ring's old entries (`_write_after`).
     """
     B, S, _ = x.shape
     m = ratio
@@ -89,7 +123,6 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     ring_kv, ring_gate = _read(st, prefix + "raw_kv", layer), _read(st, prefix + "raw_gate", layer)
     slots = ring_kv.shape[1]
     kappa = kappa.astype(ring_kv.dtype)
-    (ring_kv, ring_gate), (kappa, gate) = _read_before_write((ring_kv, ring_gate), (kappa, gate))
     ext_kv = jnp.concatenate([ring_kv, kappa], 1)
     ext_gate = jnp.concatenate([ring_gate, gate], 1)
     end = start + n_new
@@ -127,9 +160,7 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     # Ring update: the chunk's valid tokens that a later chunk can still read.
     write = (jnp.arange(S)[None] < n_new[:, None]) & (positions >= (end - slots)[:, None])
     slot = jnp.where(write, positions % slots, slots)
-    out[prefix + "raw_kv"] = _put_rows(st[prefix + "raw_kv"], layer, slot, kappa)
-    out[prefix + "raw_gate"] = _put_rows(st[prefix + "raw_gate"], layer, slot, gate)
-    return out
+    return out, [(prefix + "raw_kv", slot, kappa), (prefix + "raw_gate", slot, gate)]
 
 
 def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelConfig,
@@ -148,7 +179,6 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     q, c_q, kv = query_and_kv(p, x, cos, sin, cfg)
     kv = kv.astype(st["window_kv"].dtype)
     ring_kv, ring_pos = _read(st, "window_kv", layer), _read(st, "window_pos", layer)
-    (ring_kv, ring_pos), (kv, positions) = _read_before_write((ring_kv, ring_pos), (kv, positions))
 
     # Window branch: ring slots still behind `start` (rolled-back slots are ignored) + chunk.
     ring_pos = jnp.where(ring_pos < start[:, None], ring_pos, -1)
@@ -164,18 +194,24 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
                                        extra_bias=extra_bias)
 
     new = dict(st)
+    writes = []     # ring writes, applied after the attention (which every ring read feeds)
     if layer_type in (CSA, HCA):
         m = cfg.compress_ratio_of(layer_type)
-        new.update(compressor_chunk(p["compressor"], x, start, n_new, m, layer_type == CSA,
-                                    freqs, cfg.rms_norm_eps, st, row_floor=row_floor,
-                                    layer=layer))
+        rows_out, ring_writes = _compressor_rows(p["compressor"], x, start, n_new, m,
+                                                 layer_type == CSA, freqs, cfg.rms_norm_eps, st,
+                                                 row_floor=row_floor, layer=layer)
+        new.update(rows_out)
+        writes += ring_writes
         rows = _read(new, "rows", layer)
         visible = jnp.arange(rows.shape[1])[None, None] < ((positions + 1) // m)[:, :, None]
         if layer_type == CSA:
             ip = p["indexer"]
-            new.update(compressor_chunk(ip["compressor"], x, start, n_new, m, True, freqs,
-                                        cfg.rms_norm_eps, st, prefix="index_",
-                                        row_floor=row_floor, layer=layer))
+            rows_out, ring_writes = _compressor_rows(ip["compressor"], x, start, n_new, m, True,
+                                                     freqs, cfg.rms_norm_eps, st,
+                                                     prefix="index_", row_floor=row_floor,
+                                                     layer=layer)
+            new.update(rows_out)
+            writes += ring_writes
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, _read(new, "index_rows", layer))
             row_idx = top_k_rows(scores, visible, cfg.index_topk)
@@ -194,12 +230,11 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
             o = kernels.attention(q, keys, bias, p["sinks"])
     else:
         o = attend() if blocked else kernels.attention(q, window_kv, bias, p["sinks"])
-    out = output_projection(p, o, cos, sin, cfg)
-
     # Ring update: the chunk's valid tokens that can still be in a future window.
     slots = st["window_pos"].shape[-1]
     write = valid & (positions >= (end - slots)[:, None])
     slot = jnp.where(write, positions % slots, slots)
-    new["window_kv"] = _put_rows(st["window_kv"], layer, slot, kv)
-    new["window_pos"] = _put_rows(st["window_pos"], layer, slot, positions)
-    return out, new
+    writes += [("window_kv", slot, kv), ("window_pos", slot, positions)]
+    o, writes = _write_after(o, writes)
+    out = output_projection(p, o, cos, sin, cfg)
+    return out, _apply_writes(st, layer, writes, new)
