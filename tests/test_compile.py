@@ -102,6 +102,9 @@ def test_generate_compiles_few_programs_and_reuses_them():
     with ProgramCounter() as longer:
         di.generate(params, long_prompt, max_new_tokens=5, stop_tokens=[3])
     assert longer.programs <= GENERATE_PROGRAMS, longer.names
+    # the real call finds every precompiled program: none compiles twice
+    for counter in (first, longer):
+        assert len(set(counter.names)) == len(counter.names), counter.names
     # Same buckets (prompt <= 16 tokens, <= 16 new tokens, any stop list, any sampling
     # values): nothing new to compile.
     prompt2 = rng.integers(2, cfg.vocab_size, (2, 14)).astype(np.int32)

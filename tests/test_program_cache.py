@@ -28,7 +28,7 @@ import deepinfer_fn as di
 from deepinfer_fn import program_cache
 cfg = di.ModelConfig.preset("tiny", max_position_embeddings=256)
 params = di.init_params(cfg, jax.random.key(7))
-prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, (2, 11)).astype(np.int32)
+prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, (2, 20)).astype(np.int32)
 traced.clear()
 with di.ProgramCounter() as c:
     chunks = [np.asarray(o.tokens).tolist() for o in
@@ -52,7 +52,8 @@ def _run(code: str, cache, **env_updates) -> dict:
 @pytest.mark.heavy
 def test_second_process_runs_generate_without_tracing(tmp_path):
     first = _run(GENERATE_IN_A_PROCESS, tmp_path)
-    # the empty state, the prefill chunk, the decode block (every block of the stream)
+    # the empty state, the prefill chunk, the decode block (every block of the stream); the
+    # prompt is longer than the loop prefill's 16 tokens, so the prefill program runs
     assert first["compiled"] == first["stored"] == 3 and first["loaded"] == 0
     assert len(list((tmp_path / program_cache.SUBDIR).iterdir())) == 3
     second = _run(GENERATE_IN_A_PROCESS, tmp_path)

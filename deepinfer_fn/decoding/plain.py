@@ -182,11 +182,14 @@ def plain_blocks(params: Params, state: DecodeState, logits, done, sampling: Sam
     while produced < max_new_tokens:
         n = min(block, max_new_tokens - produced)
         last = produced + n >= max_new_tokens
+        # prompt= only when given: an explicit None would key another program than the
+        # precompiled one (`generate_programs`).
+        loop_prefill = {} if prompt is None else dict(prompt=prompt)
         with mesh_context(params)[1]:
             out, logp, count, state, logits, done = decode_block(
                 params, state, logits, done, sampling, pad, n=width, stops=stops,
                 limit=np.int32(n), feed_last=feeds_last_token(max_new_tokens, block),
-                prompt=prompt)
+                **loop_prefill)
         if prompt is not None:
             prompt = (prompt[0], jax.device_put(np.zeros(prompt[1].shape, np.int32)))
         produced += n
