@@ -16,6 +16,7 @@ Run:
     PYTHONPATH=.:/tmp/cuda_site JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
         python benchmarks/compile_deviceless.py --models default,mini --out /tmp/deviceless.json
     ... --sinkhorn-iters 1          # the same models with a 1-iteration mHC Sinkhorn
+    ... --mainjob                   # the README main job's programs, loop vs chunked prefill
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1 ...   # every pass with its time
 """
 
@@ -108,6 +109,48 @@ def compile_model(name: str, sharding, sinkhorn_iters: int | None, batch: int, c
     return rows
 
 
+def mainjob_programs(sharding, new_tokens: int = 96) -> list[dict]:
+    """Rows {model, program, prefill, lower_s, compile_s, fusions} of the programs `generate`
+    compiles for the README main job (default model, one prompt), taken from
+    `generate.generate_programs` itself: a 4-token prompt (the loop prefill: the decode loop
+    feeds the prompt) and the same job with the loop prefill off (the chunked prefill)."""
+    import importlib
+    import jax
+    import jax.numpy as jnp
+    import deepinfer_fn as di
+    generate = importlib.import_module("deepinfer_fn.generate")
+    params = jax.eval_shape(lambda: di.load_params(di.default_model_path(),
+                                                   dtype=jnp.bfloat16))
+    place = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if isinstance(x, jax.ShapeDtypeStruct) else x, tree)
+    rows = []
+    for mode in ("loop", "chunked"):
+        before = os.environ.get("DEEPINFER_LOOP_PREFILL")
+        os.environ["DEEPINFER_LOOP_PREFILL"] = "on" if mode == "loop" else "off"
+        try:
+            jobs = generate.generate_programs(params, 1, 4, new_tokens)
+            for job in jobs:
+                row = dict(model="default", program=getattr(job.fn, "__name__", str(job.fn)),
+                           prefill=mode)
+                args, kwargs = place(job.args), place(job.kwargs)
+                jitted = job.fn.jit_for(*args, **kwargs) if hasattr(job.fn, "jit_for") else job.fn
+                t0 = time.perf_counter()
+                lowered = jitted.lower(*args, **kwargs)
+                t1 = time.perf_counter()
+                text = lowered.compile().as_text()
+                row.update(lower_s=t1 - t0, compile_s=time.perf_counter() - t1,
+                           fusions=fusions(text))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            if before is None:
+                os.environ.pop("DEEPINFER_LOOP_PREFILL")
+            else:
+                os.environ["DEEPINFER_LOOP_PREFILL"] = before
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="default", help="default, tiny, mini, v4-flash, ...")
@@ -116,6 +159,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--target", default=TARGET, help="XLA GPU target config (text proto)")
+    ap.add_argument("--mainjob", action="store_true",
+                    help="the README main job's programs instead (generate_programs of the "
+                         "default model: loop prefill vs chunked prefill)")
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     args = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -123,8 +169,8 @@ def main(argv=None) -> int:
     with open(args.target) as f:
         sharding = gpu_sharding(f.read())
     import jax
-    rows = []
-    for name in filter(None, args.models.split(",")):
+    rows = mainjob_programs(sharding) if args.mainjob else []
+    for name in filter(None, "" if args.mainjob else args.models.split(",")):
         rows += compile_model(name, sharding, args.sinkhorn_iters, args.batch, args.context,
                               args.chunk)
     if args.out:
