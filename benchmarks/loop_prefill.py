@@ -72,7 +72,8 @@ def measure(params, batch: int, prompt_len: int, new_tokens: int, arm: str, reps
 
 
 def line(model: str, row: dict) -> str:
-    return (f"{model:8s} B={row['batch']:3d} {row['arm']:8s} first call {row['first_call_s']:6.1f} s"
+    return (f"{model:8s} B={row['batch']:3d} {row['arm']:8s} "
+            f"first call {row['first_call_s']:6.1f} s"
             f" (programs {row['program_seconds']:5.1f} s: {', '.join(row['programs'])})"
             f"  warm {row['warm_s'] * 1e3:8.1f} ms")
 

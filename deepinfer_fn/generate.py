@@ -6,8 +6,8 @@ runs one jitted decode loop that samples, feeds each row its own token and stops
 independently; the decode state is donated, and nothing returns to the host until the end.
 A batch of short prompts (padded width <= `plain.LOOP_PREFILL_MAX_TOKENS`) skips the chunked
 prefill: the decode loop feeds the prompt tokens one step each, so the call compiles one
-model program instead of two. `speculative=` runs the speculative loop of the named drafter instead, `constraint=` the
-grammar-masked variant of either.
+model program instead of two. `speculative=` runs the speculative loop of the named drafter
+instead, `constraint=` the grammar-masked variant of either.
 
 The pieces live in `deepinfer_fn.decoding`: `output` (GenerateOutput), `checks` (argument
 checks), `prefill` (chunked prefill and shape buckets), `plain` (the decode loop),
@@ -280,8 +280,8 @@ def generate_programs(params: Params, batch: int, prompt_len: int, max_new_token
     """The programs a single-device `generate` (block None) or `stream_generate(block=)` call
     with these shapes runs, as `compile_cache.Job`s: the empty state, the prefill chunk, and
     the decode loop (`feeds_last_token`); prompts of at most `LOOP_PREFILL_MAX_TOKENS` tokens
-    have no prefill program (the decode loop feeds them, `plain.uses_loop_prefill`). `precompile(generate_programs(...))` compiles
-    them in parallel; JAX's in-memory and persistent caches then serve the real call.
+    have no prefill program (the decode loop feeds them, `plain.uses_loop_prefill`).
+    `precompile(generate_programs(...))` compiles them in parallel; JAX's in-memory and persistent caches then serve the real call.
     decoder_swa_bounded_replay: as `generate` (None: on for V4.1), picks the prefill program."""
     cfg = params.config
     bounded_replay = check_bounded_replay(cfg, decoder_swa_bounded_replay,

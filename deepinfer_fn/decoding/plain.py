@@ -20,6 +20,7 @@ from jax.experimental import io_callback
 
 from deepinfer_fn import structured
 from deepinfer_fn.api import mesh_context
+from deepinfer_fn.compile_cache import DISABLED
 from deepinfer_fn.decoding.output import GenerateOutput
 from deepinfer_fn.decoding.prefill import bucket
 from deepinfer_fn.model import transformer
@@ -212,7 +213,7 @@ def uses_loop_prefill(prompt_len: int, *, sharded: bool = False, constrained: bo
     """Whether generate feeds a [B, prompt_len] prompt batch through its decode loop instead
     of `prefill.prefill_forward`: single-device plain runs of short prompts (the chunked
     prefill keeps sharded, constrained, speculative and bounded-replay runs)."""
-    if os.environ.get("DEEPINFER_LOOP_PREFILL", "").strip().lower() in ("0", "off", "false"):
+    if os.environ.get("DEEPINFER_LOOP_PREFILL", "on").strip().lower() in DISABLED:
         return False
     return (int(prompt_len) <= LOOP_PREFILL_MAX_TOKENS and not sharded and not constrained
             and not bounded_replay)
