@@ -10,6 +10,7 @@
   compressor_decode custom_calls.compressor.compressor_decode_mgpu  (opt-in: available() is False)
   linear            custom_calls.dense.linear_mgpu          (decode rows: M <= 64)
   grouped_linear    custom_calls.dense.grouped_linear_mgpu  (decode rows: M <= 64)
+  linear_many       custom_calls.dense.linear_many_mgpu     (decode rows: M <= 64)
 
 Each implementation has `available()` (True only on an sm_90 NVIDIA device, so the
 registry's GPU preference falls back to XLA elsewhere) and an `interpret=False` keyword that
@@ -24,7 +25,7 @@ from custom_calls.mhc import (mhc_post_mgpu, mhc_pre_mgpu, mhc_pre_prefers, mhc_
                               sinkhorn_mgpu)
 from custom_calls.attention import attention_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
-from custom_calls.dense import grouped_linear_mgpu, linear_mgpu
+from custom_calls.dense import grouped_linear_mgpu, linear_many_mgpu, linear_mgpu
 
 register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
 register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
@@ -35,6 +36,7 @@ register("attention", "mosaic_gpu")(attention_mgpu)
 register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 register("linear", "mosaic_gpu")(linear_mgpu)
 register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
+register("linear_many", "mosaic_gpu")(linear_many_mgpu)
 
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
 for _fn in (attention_mgpu, compressor_decode_mgpu):
@@ -46,4 +48,5 @@ mhc_pre_mgpu.prefers = mhc_pre_prefers
 
 __all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
            "sinkhorn_mgpu",
-           "attention_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu"]
+           "attention_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu",
+           "linear_many_mgpu"]

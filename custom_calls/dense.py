@@ -26,43 +26,51 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls._common import lowered_once, on_hopper, round_up
-from deepinfer_fn.model.common import grouped_linear_xla, linear_xla
+from deepinfer_fn.model.common import grouped_linear_xla, linear, linear_xla
 
 MAX_ROWS = 64      # decode batches; more rows are a GEMM XLA serves at the matmul peak
 NUM_SMS = 132      # H100 SXM / H200
 _TILE = 64
 
 
-def plan(g: int, k: int, n: int, num_sms: int = NUM_SMS) -> dict:
-    """Tiles and K splits: block_n 128 when that still gives a wave of items, else 64; K split
-    in halves while the items fill fewer than two waves and each keeps >= 2 K steps."""
+def plan(g: int, k: int, n: int | tuple[int, ...], num_sms: int = NUM_SMS) -> dict:
+    """Tiles and K splits for weights of n columns (one int, or the widths of several weights
+    read in one launch): block_n 128 when every width allows it and that still gives a wave
+    of items, else 64; K split in halves while the items fill fewer than two waves and each
+    keeps >= 2 K steps."""
+    widths = (n,) if isinstance(n, int) else tuple(n)
     block_k = _TILE
-    block_n = 128 if n % 128 == 0 and g * (n // 128) >= num_sms // 2 else _TILE
+    wide = all(w % 128 == 0 for w in widths) and g * sum(w // 128 for w in widths) >= num_sms // 2
+    block_n = 128 if wide else _TILE
+    tiles = g * sum(w // block_n for w in widths)
     k_steps = k // block_k
     splits = 1
-    while (g * (n // block_n) * splits < 2 * num_sms and k_steps % (2 * splits) == 0
+    while (tiles * splits < 2 * num_sms and k_steps % (2 * splits) == 0
            and k_steps // (2 * splits) >= 2):
         splits *= 2
     return dict(block_n=block_n, block_k=block_k, splits=splits,
                 stages=max(2, min(4, k_steps // splits)))
 
 
-def _skinny_pallas(x, w, *, block_n, block_k, splits, stages):
-    """x [G, Mp, K], w [G, K, N] -> fp32 partials [G, splits * Mp, N]."""
+def _skinny_pallas(x, *ws, block_n, block_k, splits, stages):
+    """x [G, Mp, K], ws[j] [G, K, N_j] -> fp32 partials, one [G, splits * Mp, N_j] per weight.
+
+    Items (one CTA each) run over the weights in order, then groups, column tiles, K splits;
+    with several weights an item branches to its weight's pipeline (all read the same x)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     g, mp, k = x.shape
-    n = w.shape[2]
-    block_m = 64                          # wgmma rows; x rows past Mp read as zeros
-    n_tiles = n // block_n
+    n_tiles = [w.shape[2] // block_n for w in ws]
     k_per_split = k // block_k // splits
-    items = g * n_tiles * splits
+    first = [0]
+    for nt in n_tiles:
+        first.append(first[-1] + g * nt * splits)
+    block_m = 64                          # wgmma rows; x rows past Mp read as zeros
 
-    def body(x_gmem, w_gmem, o_gmem):
-        i = jax.lax.axis_index("i")
-        gi = i // (n_tiles * splits)
-        rest = i % (n_tiles * splits)
+    def item(j, rel, x_gmem, w_gmem, o_gmem):
+        gi = rel // (n_tiles[j] * splits)
+        rest = rel % (n_tiles[j] * splits)
         ni = rest // splits
         si = rest % splits
         k0 = si * k_per_split
@@ -91,33 +99,65 @@ def _skinny_pallas(x, w, *, block_n, block_k, splits, stages):
                                     o_gmem.at[gi, pl.ds(si * mp, mp), pl.ds(ni * block_n, block_n)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def body(x_gmem, *refs):
+        w_refs, o_refs = refs[:len(ws)], refs[len(ws):]
+        i = jax.lax.axis_index("i")
+        if len(ws) == 1:
+            item(0, i, x_gmem, w_refs[0], o_refs[0])
+            return
+        for j in range(len(ws)):
+            pl.when((i >= first[j]) & (i < first[j + 1]))(
+                functools.partial(item, j, i - first[j], x_gmem, w_refs[j], o_refs[j]))
+
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((g, splits * mp, n), jnp.float32),
-        grid=(items,),
+        out_type=tuple(jax.ShapeDtypeStruct((g, splits * mp, w.shape[2]), jnp.float32)
+                       for w in ws),
+        grid=(first[-1],),
         grid_names=("i",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return kernel(x, w)
+    return kernel(x, *ws)
 
 
 _skinny_kernel = lowered_once(_skinny_pallas, "block_n", "block_k", "splits", "stages")
 
 
+def _rows_for_tma(x, dtype):
+    """x [G, M, K] in `dtype`, rows padded to the tiled TMA layout (<= 8 or a multiple of 8)."""
+    m = x.shape[1]
+    mp = m if m <= 8 else round_up(m, 8)
+    xx = x.astype(dtype)
+    return jnp.pad(xx, ((0, 0), (0, mp - m), (0, 0))) if mp != m else xx
+
+
+def _sum_partials(parts, splits: int, m: int, dtype):
+    """fp32 partials [G, splits * Mp, N] -> [G, m, N] in dtype."""
+    g, rows, n = parts.shape
+    return parts.reshape(g, splits, rows // splits, n).sum(axis=1)[:, :m].astype(dtype)
+
+
 def skinny_matmul(x, w, *, interpret: bool = False, **override):
     """x [G, M, K] @ w [G, K, N] -> [G, M, N] in w's dtype (fp32 accumulation), M <= 64."""
     g, m, k = x.shape
-    n = w.shape[2]
-    cfg = plan(g, k, n, num_sms=4 if interpret else NUM_SMS)
+    cfg = plan(g, k, w.shape[2], num_sms=4 if interpret else NUM_SMS)
     cfg.update(override)
-    mp = m if m <= 8 else round_up(m, 8)    # the tiled TMA layout: <= 8 rows or a multiple
-    xx = x.astype(w.dtype)
-    if mp != m:
-        xx = jnp.pad(xx, ((0, 0), (0, mp - m), (0, 0)))
-    parts = _skinny_kernel(xx, w, interpret=interpret, **cfg)
-    y = parts.reshape(g, cfg["splits"], mp, n).sum(axis=1)
-    return y[:, :m].astype(w.dtype)
+    parts, = _skinny_kernel(_rows_for_tma(x, w.dtype), w, interpret=interpret, **cfg)
+    return _sum_partials(parts, cfg["splits"], m, w.dtype)
+
+
+def skinny_matmul_many(x, ws, *, interpret: bool = False, **override):
+    """x [M, K] @ ws[j] [K, N_j] -> tuple of [M, N_j] (each in its weight's dtype, one dtype
+    for all), M <= 64: every weight streamed by one kernel launch."""
+    m, k = x.shape
+    dtype = ws[0].dtype
+    assert all(w.dtype == dtype and w.shape[0] == k for w in ws), [(w.shape, w.dtype) for w in ws]
+    cfg = plan(1, k, tuple(w.shape[1] for w in ws), num_sms=4 if interpret else NUM_SMS)
+    cfg.update(override)
+    parts = _skinny_kernel(_rows_for_tma(x[None], dtype), *(w[None] for w in ws),
+                           interpret=interpret, **cfg)
+    return tuple(_sum_partials(pt, cfg["splits"], m, dtype)[0] for pt in parts)
 
 
 def _fits(m: int, k: int, n: int, dtype) -> bool:
@@ -150,6 +190,32 @@ def grouped_linear_mgpu(x, w, *, interpret: bool = False, **override):
     return jnp.swapaxes(y, 0, 1)
 
 
-linear_mgpu.available = grouped_linear_mgpu.available = on_hopper
+def _kernel_share(x, ws) -> list[int]:
+    """Indices of the weights of `ws` one launch streams for x [M, K]: those the kernel
+    fits, of the first such weight's dtype."""
+    fit = [j for j, w in enumerate(ws) if _fits(x.shape[0], *w.shape, w.dtype)]
+    return [j for j in fit if ws[j].dtype == ws[fit[0]].dtype] if fit else []
+
+
+def linear_many_prefers(x, ws) -> bool:
+    """Whether the platform preference takes one launch for x [M, K] @ each of ws: at least
+    two of them fit the kernel."""
+    return len(_kernel_share(x, ws)) >= 2
+
+
+def linear_many_mgpu(x, ws, *, interpret: bool = False, **override):
+    """Registry signature (`kernels.linear_many`): x [M, K], ws[j] [K, N_j] -> tuple of
+    [M, N_j]. The weights the kernel fits go through one launch; any other through `linear`."""
+    share = _kernel_share(x, ws)
+    ys = [None] * len(ws)
+    if share:
+        for j, y in zip(share, skinny_matmul_many(x, [ws[j] for j in share],
+                                                  interpret=interpret, **override)):
+            ys[j] = y
+    return tuple(linear(x, w) if y is None else y for y, w in zip(ys, ws))
+
+
+linear_mgpu.available = grouped_linear_mgpu.available = linear_many_mgpu.available = on_hopper
+linear_many_mgpu.prefers = linear_many_prefers
 linear_mgpu.prefers = linear_prefers
 grouped_linear_mgpu.prefers = grouped_linear_prefers

@@ -5,14 +5,15 @@ implementation is tested against the XLA reference (tests/test_kernels.py).
 
 Backends:
   xla         pure XLA, every platform: the reference (`kernels_xla`; `linear` and
-              `grouped_linear` live in `model.common` and are re-exported here). For
+              `grouped_linear`, `linear_many` live in `model.common` and are re-exported here). For
               `chunk_attention` it is the blocked window; `xla_dense` (opt-in) is the dense
               formula it is tested against.
   xla_select  pure XLA, opt-in: `top_k_rows` by radix select instead of a sort.
   mosaic_gpu  Pallas Mosaic GPU kernels for NVIDIA Hopper (the `custom_calls` package).
               Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`,
               for `linear` / `grouped_linear` on at most 64 rows (decode projections: the
-              weight streamed once, also out of a scanned layer stack), and for
+              weight streamed once, also out of a scanned layer stack), `linear_many` on
+              at most 64 rows (the projections of one input in one launch), and for
               `mhc_pre` (one kernel on streams of n * D <= 1024 from 128 tokens; on
               wider streams a split-D pair of kernels from 2048 tokens; otherwise XLA with
               the Sinkhorn kernel), `mhc_post` on n * D <= 1024 from 128 tokens
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from deepinfer_fn import kernels_xla
 from deepinfer_fn.kernel_registry import (KernelUnavailable, call, choose, implementation,
                                           implementations, register, register_unbuilt, use)
-from deepinfer_fn.model.common import grouped_linear, linear
+from deepinfer_fn.model.common import grouped_linear, linear, linear_many
 import custom_calls  # noqa: F401  registers the Mosaic GPU implementations
 
 compressor_row_finish = kernels_xla.compressor_row_finish
@@ -41,12 +42,12 @@ compressor_row_finish = kernels_xla.compressor_row_finish
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
            "register_unbuilt", "use", "grouped_matmul", "attention", "sparse_attention",
            "chunk_attention", "top_k_rows", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
-           "compressor_row_finish", "linear", "grouped_linear"]
+           "compressor_row_finish", "linear", "grouped_linear", "linear_many"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
 _NO_CANN = "the Ascend backend needs CANN 9.2, which this build does not include"
 for _op in ("grouped_matmul", "attention", "sparse_attention", "mhc_pre", "mhc_post", "sinkhorn",
-            "linear", "grouped_linear"):
+            "linear", "grouped_linear", "linear_many"):
     register_unbuilt(_op, "sm100", _NO_SM100)
     register_unbuilt(_op, "ascend", _NO_CANN)
 

@@ -197,6 +197,51 @@ def test_linear_kernels_interpret(m, split):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("m,split", [(1, {}), (13, {"splits": 2}), (64, {"block_n": 64})])
+def test_linear_many_one_launch_interpret(m, split):
+    """`linear_many`: the weights the kernel fits (64-multiple widths, one dtype) in one
+    launch, bf16, each against its XLA `linear`; a 32-wide one goes through `linear`."""
+    from custom_calls.dense import linear_many_mgpu, linear_many_prefers
+    from deepinfer_fn.model.common import linear_xla
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((256, n)) / 16, jnp.bfloat16)
+          for n in (192, 64, 32, 128)]
+    fn = functools.partial(linear_many_mgpu, interpret=INTERPRET, **split)
+    assert len(pallas_kernels(fn, x, ws)) == 1
+    got = run_kernel(fn, x, ws)
+    for y, w in zip(got, ws):
+        np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)),
+                                   np.asarray(linear_xla(x, w).astype(jnp.float32)),
+                                   rtol=2e-2, atol=2e-2)
+    assert linear_many_prefers(x, ws)
+    assert not linear_many_prefers(x, ws[2:3] + ws[:1])          # one fits: `linear` does it
+    assert not linear_many_prefers(jnp.zeros((65, 256), jnp.bfloat16), ws)
+
+
+def test_linear_many_model_path_uses_one_launch():
+    """The model's `linear_many` under the forced kernel equals separate projections and
+    launches one kernel for the fitting weights."""
+    from deepinfer_fn import kernels as k
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 1, 128)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((128, n)) / 16, jnp.bfloat16) for n in (64, 128)]
+    want = [k.linear(x, w) for w in ws]
+    if INTERPRET:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        ctx = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
+    else:
+        import contextlib
+        ctx = contextlib.nullcontext()
+    with k.use("linear_many", "mosaic_gpu"), ctx:
+        assert len(pallas_kernels(k.linear_many, x, ws)) == 1
+        got = k.linear_many(x, ws)
+    for y, w in zip(got, want):
+        assert y.shape == w.shape
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
 def test_linear_kernels_prefer_decode_rows_only():
     """Taken for <= 64 rows of 64-aligned bf16 weights; more rows, odd shapes and fp32 go to
     XLA (and a forced call on them runs the reference, no kernel)."""

@@ -20,12 +20,18 @@ DECODE_CHUNK_MAX = 16
 
 def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
     """q [B,T,H,d] (head-normed, rotated), c_q [B,T,q_lora], kv [B,T,d] (normed, rotated)."""
-    B, T, _ = x.shape
+    return queries_and_kv_of(p, linear(x, p["wq_a"]), linear(x, p["wkv"]), cos, sin, cfg)
+
+
+def queries_and_kv_of(p, x_wq_a, x_wkv, cos, sin, cfg: ModelConfig):
+    """`query_and_kv` from the input's projections x @ wq_a [B,T,q_lora], x @ wkv [B,T,d]."""
+    B, T, _ = x_wq_a.shape
     eps = cfg.rms_norm_eps
-    c_q = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
+    c_q = rms_norm(x_wq_a, p["q_norm"], eps)
     q = linear(c_q, p["wq_b"]).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(head_rms(q, eps), cos[:, :, None], sin[:, :, None])
-    return q, c_q, kv_projection(p, x, cos, sin, cfg)
+    kv = apply_rope(rms_norm(x_wkv, p["kv_norm"], eps), cos, sin)
+    return q, c_q, kv
 
 
 def kv_projection(p, x, cos, sin, cfg: ModelConfig):

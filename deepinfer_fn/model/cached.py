@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, NEG_INF, output_projection,
-                                         query_and_kv, window_bias)
-from deepinfer_fn.model.compressor import finish_rows, pool_windows, project
+                                         queries_and_kv_of, window_bias)
+from deepinfer_fn.model.common import linear_many
+from deepinfer_fn.model.compressor import finish_rows, inputs_of, pool_windows
 from deepinfer_fn.model.indexer import index_queries, index_scores, top_k_rows
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 
@@ -90,13 +91,13 @@ def compressor_chunk(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
                      st: dict, prefix: str = "", row_floor=None, layer=None):
     """`_compressor_rows` with the ring writes applied (ordered after the new rows, which
     every read of the ring feeds). Returns the updated entries."""
-    out, writes = _compressor_rows(p, x, start, n_new, ratio, overlap, freqs, eps, st, prefix,
-                                   row_floor, layer)
+    out, writes = _compressor_rows(p, linear_many(x, (p["wkv"], p["wgate"])), start, n_new,
+                                   ratio, overlap, freqs, eps, st, prefix, row_floor, layer)
     (out, writes) = _write_after(out, writes)
     return _apply_writes(st, layer, writes, out)
 
 
-def _compressor_rows(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
+def _compressor_rows(p, x_proj, start, n_new, ratio: int, overlap: bool, freqs, eps: float,
                      st: dict, prefix: str = "", row_floor=None, layer=None):
     """Advances one compressor over a chunk: emits the rows of every window the chunk
     completes (at index = global window number, RoPE at m * w, §4.3, §4.8) and writes the
@@ -109,17 +110,18 @@ def _compressor_rows(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     Nothing is "rolled": every read is addressed by position, so moving `lengths` back over
     rejected tokens is a complete rollback as long as R_c leaves room for them (state.py).
 
-    x [B,S,D]; start/n_new [B]. row_floor [B] (optional, token positions, a multiple of m):
-    rows of windows starting below it are not written (they already hold exact shared rows:
-    the engine's prefix-cache replay, docs/MODEL.md §7). layer: the index into stacked
-    state leaves (module docstring) or None. Returns (the updated rows entry, the ring writes
-    as (key, slot, values) for `_apply_writes`): the caller orders the ring writes after every
-    use of the ring's old entries (`_write_after`).
+    x_proj: the chunk's projections (x @ wkv, x @ wgate) [B,S,c*dim]; start/n_new [B].
+    row_floor [B] (optional, token positions, a multiple of m): rows of windows starting below
+    it are not written (they already hold exact shared rows: the engine's prefix-cache replay,
+    docs/MODEL.md §7). layer: the index into stacked state leaves (module docstring) or None.
+    Returns (the updated rows entry, the ring writes as (key, slot, values) for
+    `_apply_writes`): the caller orders the ring writes after every use of the ring's old
+    entries (`_write_after`).
     """
-    B, S, _ = x.shape
+    B, S, _ = x_proj[0].shape
     m = ratio
     positions = start[:, None] + jnp.arange(S)
-    kappa, gate = project(p, x, positions, m)
+    kappa, gate = inputs_of(p, *x_proj, positions, m)
     ring_kv, ring_gate = _read(st, prefix + "raw_kv", layer), _read(st, prefix + "raw_gate", layer)
     slots = ring_kv.shape[1]
     kappa = kappa.astype(ring_kv.dtype)
@@ -163,6 +165,25 @@ def _compressor_rows(p, x, start, n_new, ratio: int, overlap: bool, freqs, eps: 
     return out, [(prefix + "raw_kv", slot, kappa), (prefix + "raw_gate", slot, gate)]
 
 
+def _input_projections(p, x, layer_type: str) -> dict:
+    """x @ every weight of the layer that reads the attention input x [B,S,D], as one
+    `linear_many`: {"wq_a", "wkv": [B,S,N]; "compressor", "index_compressor": (x @ wkv,
+    x @ wgate) where the layer has them}."""
+    named = {"wq_a": p["wq_a"], "wkv": p["wkv"]}
+    if layer_type in (CSA, HCA):
+        named |= {"c_wkv": p["compressor"]["wkv"], "c_wgate": p["compressor"]["wgate"]}
+    if layer_type == CSA:
+        ic = p["indexer"]["compressor"]
+        named |= {"i_wkv": ic["wkv"], "i_wgate": ic["wgate"]}
+    ys = dict(zip(named, linear_many(x, tuple(named.values()))))
+    out = {"wq_a": ys["wq_a"], "wkv": ys["wkv"]}
+    if "c_wkv" in ys:
+        out["compressor"] = (ys["c_wkv"], ys["c_wgate"])
+    if "i_wkv" in ys:
+        out["index_compressor"] = (ys["i_wkv"], ys["i_wgate"])
+    return out
+
+
 def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelConfig,
                     row_floor=None, layer=None):
     """Attention of a chunk against the layer state: (out [B,S,D], new layer state).
@@ -176,7 +197,8 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     end = start + n_new
     freqs = rope_frequencies(cfg, layer_type)
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
-    q, c_q, kv = query_and_kv(p, x, cos, sin, cfg)
+    proj = _input_projections(p, x, layer_type)
+    q, c_q, kv = queries_and_kv_of(p, proj["wq_a"], proj["wkv"], cos, sin, cfg)
     kv = kv.astype(st["window_kv"].dtype)
     ring_kv, ring_pos = _read(st, "window_kv", layer), _read(st, "window_pos", layer)
 
@@ -197,19 +219,20 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     writes = []     # ring writes, applied after the attention (which every ring read feeds)
     if layer_type in (CSA, HCA):
         m = cfg.compress_ratio_of(layer_type)
-        rows_out, ring_writes = _compressor_rows(p["compressor"], x, start, n_new, m,
-                                                 layer_type == CSA, freqs, cfg.rms_norm_eps, st,
-                                                 row_floor=row_floor, layer=layer)
+        rows_out, ring_writes = _compressor_rows(p["compressor"], proj["compressor"], start,
+                                                 n_new, m, layer_type == CSA, freqs,
+                                                 cfg.rms_norm_eps, st, row_floor=row_floor,
+                                                 layer=layer)
         new.update(rows_out)
         writes += ring_writes
         rows = _read(new, "rows", layer)
         visible = jnp.arange(rows.shape[1])[None, None] < ((positions + 1) // m)[:, :, None]
         if layer_type == CSA:
             ip = p["indexer"]
-            rows_out, ring_writes = _compressor_rows(ip["compressor"], x, start, n_new, m, True,
-                                                     freqs, cfg.rms_norm_eps, st,
-                                                     prefix="index_", row_floor=row_floor,
-                                                     layer=layer)
+            rows_out, ring_writes = _compressor_rows(ip["compressor"], proj["index_compressor"],
+                                                     start, n_new, m, True, freqs,
+                                                     cfg.rms_norm_eps, st, prefix="index_",
+                                                     row_floor=row_floor, layer=layer)
             new.update(rows_out)
             writes += ring_writes
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)

@@ -45,6 +45,21 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.reshape(*lead, w.shape[-1])
 
 
+@register("linear_many", "xla")
+def linear_many_xla(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """`kernels.linear_many` in XLA: one `linear` per weight."""
+    return tuple(linear(x, w) for w in ws)
+
+
+def linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """`linear(x, w)` for each weight of `ws` (all [K, N_j]): x [..., K] -> tuple of
+    [..., N_j]. The registry op `linear_many`: separate projections, or one weight-streaming
+    launch for all of them on the few rows of a decode step."""
+    lead = x.shape[:-1]
+    ys = call("linear_many", x.reshape(-1, x.shape[-1]), tuple(ws))
+    return tuple(y.reshape(*lead, w.shape[-1]) for y, w in zip(ys, ws))
+
+
 @register("grouped_linear", "xla")
 def grouped_linear_xla(x: jax.Array, w: jax.Array) -> jax.Array:
     """`kernels.grouped_linear` in XLA: one einsum (a single row as two, `two_rows`)."""

@@ -16,10 +16,14 @@ from deepinfer_fn.model.rope import apply_rope, rope_cos_sin
 
 
 def project(p, x: jax.Array, positions: jax.Array, ratio: int):
-    """Raw per-token compressor inputs: kappa [B,T,c*dim] (act dtype), gate + ape [B,T,c*dim] fp32."""
-    kappa = linear(x, p["wkv"])
-    gate = linear(x, p["wgate"]).astype(jnp.float32)
-    gate = gate + p["ape"].astype(jnp.float32)[positions % ratio]
+    """Raw per-token compressor inputs: kappa [B,T,c*dim] (act dtype), gate + ape [B,T,c*dim]
+    fp32."""
+    return inputs_of(p, linear(x, p["wkv"]), linear(x, p["wgate"]), positions, ratio)
+
+
+def inputs_of(p, kappa: jax.Array, x_wgate: jax.Array, positions: jax.Array, ratio: int):
+    """`project` from the input's projections kappa = x @ wkv and x @ wgate [B,T,c*dim]."""
+    gate = x_wgate.astype(jnp.float32) + p["ape"].astype(jnp.float32)[positions % ratio]
     return kappa, gate
 
 

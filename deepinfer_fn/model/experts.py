@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn import kernels
-from deepinfer_fn.model.common import linear
+from deepinfer_fn.model.common import linear, linear_many
 
 
 def swiglu(gate, up, limit: float):
@@ -20,7 +20,13 @@ def swiglu(gate, up, limit: float):
 
 
 def dense_expert(p, x, limit: float):
-    return linear(swiglu(linear(x, p["w1"]), linear(x, p["w3"]), limit), p["w2"])
+    """A SwiGLU expert on x [N, D] -> [N, D]."""
+    return dense_expert_of(p, *linear_many(x, (p["w1"], p["w3"])), limit)
+
+
+def dense_expert_of(p, x_w1, x_w3, limit: float):
+    """`dense_expert` from the input's projections x @ w1, x @ w3 [N, I]."""
+    return linear(swiglu(x_w1, x_w3, limit), p["w2"])
 
 
 
