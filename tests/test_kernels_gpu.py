@@ -253,3 +253,20 @@ def test_linear_kernels_prefer_decode_rows_only():
     assert not linear_prefers(jnp.zeros((1, 128), jnp.float32), w.astype(jnp.float32))
     odd = (jnp.ones((2, 96), jnp.bfloat16), jnp.ones((96, 64), jnp.bfloat16))
     assert pallas_kernels(linear_mgpu, *odd) == []
+
+
+def test_decode_gemm_benchmark_smoke(tmp_path):
+    """benchmarks/decode_gemm.py --quick: every variant's output checked against XLA (interpret
+    mode), the planned tiles first; the variants respect the K split and shared memory."""
+    from benchmarks import decode_gemm
+    out = decode_gemm.main(["--quick", "--batches", "3", "--variants", "2", "--reps", "1",
+                            "--out", str(tmp_path / "r.json")])
+    assert [r["shape"] for r in out["rows"]] == ["tiny", "tiny many"]
+    for row in out["rows"]:
+        assert len(row["tiles"]) == 2 and row["planned_us"] == row["tiles"][0]["us"]
+        assert all(t["max_abs_err"] < 2e-2 for t in row["tiles"]), row["tiles"]
+    for name, k, widths in decode_gemm.MINI_SHAPES:
+        for cfg in decode_gemm.variants(k, widths, 132):
+            assert k // cfg["block_k"] % cfg["splits"] == 0
+            assert cfg["stages"] <= k // cfg["block_k"] // cfg["splits"]
+            assert all(w % cfg["block_n"] == 0 for w in widths)
