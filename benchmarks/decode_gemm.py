@@ -30,12 +30,12 @@ from deepinfer_fn.model.common import linear_xla
 # (name, K, widths): one weight, or several read in one launch (`linear_many`), of `mini`.
 MINI_SHAPES = (
     ("wq_b", 768, (16384,)),
+    ("CSA input: wq_a wkv compressor index-compressor", 2048, (768, 512, 1024, 1024, 256, 256)),
     ("wo_b", 2048, (2048,)),
+    ("MoE input: gate shared w1 w3", 2048, (64, 512, 512)),
+    ("wq_a", 2048, (768,)),
     ("index wq_b", 768, (4096,)),
     ("shared w2", 512, (2048,)),
-    ("wq_a", 2048, (768,)),
-    ("CSA input: wq_a wkv compressor index-compressor", 2048, (768, 512, 1024, 1024, 256, 256)),
-    ("MoE input: gate shared w1 w3", 2048, (64, 512, 512)),
 )
 QUICK_SHAPES = (("tiny", 256, (128,)), ("tiny many", 256, (128, 64)))
 STACK_BYTES = 256 * 2**20
@@ -128,6 +128,9 @@ def main(argv=None):
     print(f"HBM bandwidth (x + 1 on {stack_bytes >> 20} MiB): {bw / 1e9:.0f} GB/s", flush=True)
     batches = [int(b) for b in a.batches.split(",")]
     for (name, k, widths), batch in itertools.product(shapes, batches):
+        if time.perf_counter() - t_start > a.budget:
+            print(f"budget of {a.budget:.0f} s spent: {name} at batch {batch} not measured")
+            continue
         wbytes = k * sum(widths) * 2
         copies = max(2, stack_bytes // wbytes)
         stacks = stacked_weights(k, widths, copies, jax.random.key(len(rows)))
