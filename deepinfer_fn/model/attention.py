@@ -20,10 +20,10 @@ DECODE_CHUNK_MAX = 16
 
 def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
     """q [B,T,H,d] (head-normed, rotated), c_q [B,T,q_lora], kv [B,T,d] (normed, rotated)."""
-    return queries_and_kv_of(p, linear(x, p["wq_a"]), linear(x, p["wkv"]), cos, sin, cfg)
+    return query_and_kv_of(p, linear(x, p["wq_a"]), linear(x, p["wkv"]), cos, sin, cfg)
 
 
-def queries_and_kv_of(p, x_wq_a, x_wkv, cos, sin, cfg: ModelConfig):
+def query_and_kv_of(p, x_wq_a, x_wkv, cos, sin, cfg: ModelConfig):
     """`query_and_kv` from the input's projections x @ wq_a [B,T,q_lora], x @ wkv [B,T,d]."""
     B, T, _ = x_wq_a.shape
     eps = cfg.rms_norm_eps

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, NEG_INF, output_projection,
-                                         queries_and_kv_of, window_bias)
+                                         query_and_kv_of, window_bias)
 from deepinfer_fn.model.common import linear_many
 from deepinfer_fn.model.compressor import finish_rows, inputs_of, pool_windows
 from deepinfer_fn.model.indexer import index_queries, index_scores, top_k_rows
@@ -198,7 +198,7 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     freqs = rope_frequencies(cfg, layer_type)
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
     proj = _input_projections(p, x, layer_type)
-    q, c_q, kv = queries_and_kv_of(p, proj["wq_a"], proj["wkv"], cos, sin, cfg)
+    q, c_q, kv = query_and_kv_of(p, proj["wq_a"], proj["wkv"], cos, sin, cfg)
     kv = kv.astype(st["window_kv"].dtype)
     ring_kv, ring_pos = _read(st, "window_kv", layer), _read(st, "window_pos", layer)
 
