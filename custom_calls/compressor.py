@@ -204,7 +204,7 @@ def _kernel_call(x, role_a, role_b, mult, comps, *, dims, overlaps, tn: int, blo
                 store(carry)
         plgpu.wait_smem_to_gmem(0)
 
-    def body(*refs):
+    def compressor_decode(*refs):
         x_ref, ra_ref, rb_ref, mult_ref = refs[:4]
         ins = [refs[4 + 5 * i: 9 + 5 * i] for i in range(len(dims))]
         outs = [refs[n_in + 3 * i: n_in + 3 * i + 3] for i in range(len(dims))]
@@ -236,7 +236,7 @@ def _kernel_call(x, role_a, role_b, mult, comps, *, dims, overlaps, tn: int, blo
                      jax.ShapeDtypeStruct((3, splits, bp, d), f32)]
     flat = [a for c in comps for a in c]
     res = plgpu.kernel(
-        body, out_type=tuple(out_type), grid=(sum(tiles), nb, splits),
+        compressor_decode, out_type=tuple(out_type), grid=(sum(tiles), nb, splits),
         grid_names=("tile", "bb", "split"),
     )(x, role_a, role_b, mult, *flat)
     return [tuple(res[3 * i: 3 * i + 3]) for i in range(len(dims))]

@@ -99,7 +99,7 @@ def _skinny_pallas(x, *ws, block_n, block_k, splits, stages):
                                     o_gmem.at[gi, pl.ds(si * mp, mp), pl.ds(ni * block_n, block_n)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def body(x_gmem, *refs):
+    def decode_gemm(x_gmem, *refs):
         w_refs, o_refs = refs[:len(ws)], refs[len(ws):]
         i = jax.lax.axis_index("i")
         if len(ws) == 1:
@@ -109,8 +109,10 @@ def _skinny_pallas(x, *ws, block_n, block_k, splits, stages):
             pl.when((i >= first[j]) & (i < first[j + 1]))(
                 functools.partial(item, j, i - first[j], x_gmem, w_refs[j], o_refs[j]))
 
+    if len(ws) > 1:     # the kernel's name in profiles says how many weights a launch streams
+        decode_gemm.__name__ = f"decode_gemm_x{len(ws)}"
     kernel = plgpu.kernel(
-        body,
+        decode_gemm,
         out_type=tuple(jax.ShapeDtypeStruct((g, splits * mp, w.shape[2]), jnp.float32)
                        for w in ws),
         grid=(first[-1],),

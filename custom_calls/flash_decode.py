@@ -201,7 +201,7 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
             for slot in range(stages):
                 plgpu.barrier_wait(consumed.at[slot])
 
-    def entry(q_ref, k_ref, b_ref, o_ref, lse_ref):
+    def flash_decode_split(q_ref, k_ref, b_ref, o_ref, lse_ref):
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         smem = (
@@ -229,7 +229,7 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
         )
 
     return plgpu.kernel(
-        entry,
+        flash_decode_split,
         out_type=(jax.ShapeDtypeStruct((t_count, splits, h, d), dtype),
                   jax.ShapeDtypeStruct((t_count, splits, _ROWS), jnp.float32)),
         grid=(t_count, splits),

@@ -107,7 +107,7 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
     k_steps = k // block_k
     steps = max(2, min(max_concurrent_steps, k_steps))
 
-    def body(meta_gmem, count_gmem, x_gmem, w_gmem, o_gmem):
+    def grouped_gemm(meta_gmem, count_gmem, x_gmem, w_gmem, o_gmem):
         n_work = count_gmem[0] * grid_n
 
         @plgpu.nd_loop((n_work,), collective_axes="sm")
@@ -157,7 +157,7 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
                                 block_m, block_n)
 
     kernel = plgpu.kernel(
-        body,
+        grouped_gemm,
         out_type=jax.ShapeDtypeStruct((m, n), w.dtype),
         grid=(num_sms,),
         grid_names=("sm",),

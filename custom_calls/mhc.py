@@ -185,12 +185,12 @@ def _sinkhorn_call(lt, *, n: int, iters: int, eps: float):
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[:, pl.ds(blk * TOK, TOK)])
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(l_ref, o_ref):
+    def mhc_sinkhorn(l_ref, o_ref):
         pl.run_scoped(lambda *s: body(l_ref, o_ref, *s),
                       plgpu.SMEM((nn, TOK), jnp.float32), plgpu.SMEM((nn, TOK), jnp.float32),
                       plgpu.Barrier(num_barriers=1))
 
-    return plgpu.kernel(entry, out_type=jax.ShapeDtypeStruct((nn, width), jnp.float32),
+    return plgpu.kernel(mhc_sinkhorn, out_type=jax.ShapeDtypeStruct((nn, width), jnp.float32),
                         grid=(width // TOK,), grid_names=("b",))(lt)
 
 
@@ -340,7 +340,7 @@ def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps
     row_l = plgpu.Layout.WGMMA.reduce(1)
     kw = dict(n=n, d=d, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
-    def body(x_ref, f_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
+    def mhc_pre_one(x_ref, f_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
         blk = lax.axis_index("b")
 
         def mix(acc_ref):
@@ -367,7 +367,7 @@ def _pre_call(x2, fprep, norm_weight, base, scale, *, n: int, iters: int, hc_eps
                       plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=_bf16_transforms()))
 
     return plgpu.kernel(
-        body,
+        mhc_pre_one,
         out_type=(jax.ShapeDtypeStruct((ntok, d), x2.dtype),
                   jax.ShapeDtypeStruct((n_out, nblk * TOK), jnp.float32)),
         grid=(nblk,),
@@ -391,7 +391,7 @@ def _mix_call(x2, fprep, *, n: int, splits: int, stages: int):
     nblk = -(-ntok // TOK)
     npairs = len(_pairs(n))
 
-    def body(x_ref, f_ref, u_ref, g_ref):
+    def mhc_pre_mix(x_ref, f_ref, u_ref, g_ref):
         blk, split = lax.axis_index("b"), lax.axis_index("s")
 
         def mix(acc_ref):
@@ -414,7 +414,7 @@ def _mix_call(x2, fprep, *, n: int, splits: int, stages: int):
                       plgpu.SMEM((npairs, TOK), jnp.float32))
 
     return plgpu.kernel(
-        body,
+        mhc_pre_mix,
         out_type=(jax.ShapeDtypeStruct((splits, 2 * GATES, nblk * TOK), jnp.float32),
                   jax.ShapeDtypeStruct((splits, npairs, nblk * TOK), jnp.float32)),
         grid=(nblk, splits),
@@ -441,7 +441,7 @@ def _tail_call(x2, part_u, part_g, norm_weight, base, scale, *, n: int, iters: i
     row_l = plgpu.Layout.WGMMA.reduce(1)
     kw = dict(n=n, d=d, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
-    def body(x_ref, pu_ref, pg_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
+    def mhc_pre_tail(x_ref, pu_ref, pg_ref, w_ref, base_ref, scale_ref, h_ref, g_ref):
         blk, split = lax.axis_index("b"), lax.axis_index("s")
         zero = plgpu.layout_cast(jnp.zeros((TOK,), jnp.float32), row_l)
 
@@ -473,7 +473,7 @@ def _tail_call(x2, part_u, part_g, norm_weight, base, scale, *, n: int, iters: i
                       plgpu.SMEM((2, TOK, COLS), x2.dtype, transforms=_bf16_transforms()))
 
     return plgpu.kernel(
-        body,
+        mhc_pre_tail,
         out_type=(jax.ShapeDtypeStruct((ntok, d), x2.dtype),
                   jax.ShapeDtypeStruct((n_out, nblk * TOK), jnp.float32)),
         grid=(nblk, col_splits),
@@ -624,7 +624,7 @@ def _post_call(x2, y, gt, *, n: int, splits: int):
         )(*([x_ref] * n), y_ref)
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(x_ref, y_ref, g_ref, o_ref):
+    def mhc_post(x_ref, y_ref, g_ref, o_ref):
         pl.run_scoped(
             lambda *s: body(x_ref, y_ref, g_ref, o_ref, *s),
             plgpu.SMEM((gt.shape[0], TOK), jnp.float32),
@@ -633,7 +633,7 @@ def _post_call(x2, y, gt, *, n: int, splits: int):
         )
 
     return plgpu.kernel(
-        entry,
+        mhc_post,
         out_type=jax.ShapeDtypeStruct((ntok, nd), dtype),
         grid=(nblk, splits),
         grid_names=("b", "s"),
