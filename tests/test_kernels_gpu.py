@@ -275,3 +275,12 @@ def test_decode_gemm_benchmark_smoke(tmp_path):
             assert k // cfg["block_k"] % cfg["splits"] == 0
             assert cfg["stages"] <= k // cfg["block_k"] // cfg["splits"]
             assert all(w % cfg["block_n"] == 0 for w in widths)
+
+
+def test_linear_many_rejects_mismatched_weights():
+    """A weight whose rows are not the input's width is named in the error (XLA and kernel
+    paths alike: the check is before the registry call)."""
+    from deepinfer_fn import kernels as k
+    x = jnp.zeros((2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"\(96, 64\)"):
+        k.linear_many(x, [jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((96, 64), jnp.bfloat16)])

@@ -55,6 +55,10 @@ def linear_many(x: jax.Array, ws) -> tuple[jax.Array, ...]:
     """`linear(x, w)` for each weight of `ws` (all [K, N_j]): x [..., K] -> tuple of
     [..., N_j]. The registry op `linear_many`: separate projections, or one weight-streaming
     launch for all of them on the few rows of a decode step."""
+    bad = [tuple(w.shape) for w in ws if w.ndim != 2 or w.shape[0] != x.shape[-1]]
+    if bad:
+        raise ValueError(f"linear_many: every weight must be [K={x.shape[-1]}, N] for input "
+                         f"{tuple(x.shape)}; got {bad}")
     lead = x.shape[:-1]
     ys = call("linear_many", x.reshape(-1, x.shape[-1]), tuple(ws))
     return tuple(y.reshape(*lead, w.shape[-1]) for y, w in zip(ys, ws))
