@@ -7,6 +7,10 @@
     w1 (2048 -> 512) and w2 (512 -> 2048).
 (b) sparse_attention decode: B = 1, 16, 64, S = 1, H = 32, d = 512, Wk = 128, K = 512 rows
     selected from N = 4096 compressed rows a sequence.
+(c) chunk_attention, `mini`'s prefill chunks from an empty state (1 x 4096 and 8 x 512; H = 32,
+    d = 512, window 128): SWA (window only), HCA (+ every visible row of ratio 128) and CSA
+    (+ a top-512 selection of the visible rows of ratio 4). FLOPs counted are those of the
+    visible keys (4 H d a query-key pair), as a dense flash kernel with masks does no less.
 
 Each case is checked against the XLA reference first (relative Frobenius error, NaNs), then
 timed: compile and warm up, then the median (and 10th / 90th percentiles) of many
@@ -41,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from deepinfer_fn import kernels, kernels_xla  # noqa: E402
 
+from custom_calls import chunk_attention as ca_mod  # noqa: E402
 from custom_calls import grouped_matmul as gmm_mod  # noqa: E402
 from custom_calls import sparse_attention as sa_mod  # noqa: E402
 
@@ -351,6 +356,89 @@ def sparse_case(b, variants, n_rows=4096, nsets=3):
         log("      kernels: " + "; ".join(f"{k[:40]} {t:.1f}" for k, t in r.get("kernels", [])))
 
 
+CHUNK = dict(h=32, d=512, window=128, topk=512, hca_ratio=128)
+CHUNK_SHAPES = ((1, 4096), (8, 512))
+
+
+def chunk_inputs(seed, b, s, layer, h, d, window, topk, hca_ratio):
+    """A prefill chunk from position 0 (empty ring) of an SWA / HCA / CSA layer."""
+    rng = np.random.default_rng(seed)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(k1, (b, s, h, d), jnp.bfloat16)
+    kv = jax.random.normal(k2, (b, s, d), jnp.bfloat16)
+    args = (q, kv, jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32),
+            jnp.zeros((b, window, d), jnp.bfloat16), jnp.full((b, window), -1, jnp.int32),
+            jnp.asarray(rng.standard_normal(h), jnp.float32))
+    visible_window = np.minimum(np.arange(s) + 1, window)            # keys a query sees
+    kw = dict(window=window)
+    extra = np.zeros(s)
+    if layer != "swa":
+        ratio = 4 if layer == "csa" else hca_ratio
+        n = s // ratio
+        vis = np.arange(n)[None, :] < ((np.arange(s) + 1) // ratio)[:, None]     # [S, N]
+        if layer == "csa":          # top-k of the visible rows: a random subset of them
+            score = np.where(vis, rng.random((s, n)), -1.0)
+            keep = np.argsort(-score, axis=1)[:, :topk]
+            sel = np.zeros_like(vis)
+            np.put_along_axis(sel, keep, True, axis=1)
+            vis &= sel
+        extra = vis.sum(1)
+        kw.update(extra_keys=jax.random.normal(k3, (b, n, d), jnp.bfloat16),
+                  extra_bias=jnp.asarray(np.broadcast_to(np.where(vis, 0.0, -np.inf),
+                                                         (b, s, n)), jnp.float32))
+    flops = 4.0 * b * h * d * float((visible_window + extra).sum())
+    return args, kw, flops
+
+
+@guarded("chunk_attention")
+def chunk_case(b, s, layer, variants, nsets=2):
+    c = CHUNK
+    sets, kws = [], []
+    for i in range(nsets):
+        a, kw, flops = chunk_inputs(7 * b + i, b, s, layer, c["h"], c["d"], c["window"], c["topk"],
+                                    c["hca_ratio"])
+        sets.append(a)
+        kws.append(kw)
+    label = f"chunk_attention {layer} {b}x{s} H={c['h']} d={c['d']}"
+    log(label)
+    window = c["window"]
+    xla = functools.partial(kernels_xla.chunk_attention)
+    impls = [("xla", xla, {})] + [(n, functools.partial(ca_mod.chunk_attention_mgpu, **cfg,
+                                                         **_interp()), cfg)
+                                  for n, cfg in variants]
+    # Extra keys travel as arguments (not closure constants) so that every set is timed.
+    pack = [a + ((kw["extra_keys"], kw["extra_bias"]) if "extra_keys" in kw else ())
+            for a, kw in zip(sets, kws)]
+
+    def call(fn):
+        def f(*a):
+            if len(a) == 9:
+                return fn(*a[:7], window=window, extra_keys=a[7], extra_bias=a[8])
+            return fn(*a, window=window)
+        return f
+    want = jax.jit(call(xla))(*pack[0])
+    for name, fn, cfg in impls:
+        try:
+            if name != "xla":
+                assert ca_mod.supported(sets[0][0], sets[0][1], sets[0][4], window,
+                                        kws[0].get("extra_keys")), "kernel not supported here"
+                if not check(f"{label} {name}", jax.jit(call(fn))(*pack[0]), want):
+                    continue
+            r = bench(call(fn), pack)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
+            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
+                                      "traceback": traceback.format_exc()[-6000:]})
+            continue
+        rec = {"op": "chunk_attention", "case": f"{layer} {b}x{s}", "impl": name, "B": b, "S": s,
+               **{k: c[k] for k in ("h", "d", "window")}, "config": cfg, "flops": flops,
+               "bytes": 0, **r, "TFLOPs": flops / (r["us"] * 1e-6) / 1e12, "TBps": 0.0}
+        RESULTS["cases"].append(rec)
+        log(f"  {name:34s} {r['us']:9.1f} us  (p10 {r['p10']:.1f} p90 {r['p90']:.1f})  "
+            f"{rec['TFLOPs']:7.2f} TFLOP/s")
+        log("      kernels: " + "; ".join(f"{k[:40]} {t:.1f}" for k, t in r.get("kernels", [])))
+
+
 # ------------------------------------------------------------------ report
 def table():
     pk = RESULTS.get("peaks", {})
@@ -414,7 +502,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer variants")
-    ap.add_argument("--only", default="", help="comma list: peaks,grouped,sparse,gchecks,schecks")
+    ap.add_argument("--only", default="",
+                    help="comma list: peaks,grouped,sparse,gchecks,schecks,chunk")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--dry", action="store_true",
                     help="CPU plumbing test: tiny shapes, kernels in GPU interpret mode")
@@ -441,9 +530,11 @@ def main():
         log(txt)
         return
     if args.dry:
-        global HIDDEN, INTER, EXPERTS, GROUPED_TOKENS, SPARSE_BATCH
+        global HIDDEN, INTER, EXPERTS, GROUPED_TOKENS, SPARSE_BATCH, CHUNK_SHAPES
         HIDDEN, INTER, EXPERTS, GROUPED_TOKENS, SPARSE_BATCH = 128, 64, 8, (1, 16), (1,)
         SPARSE.update(h=8, d=128, wk=64, k=64, n=256)
+        CHUNK.update(h=16, d=128, window=8, topk=4, hca_ratio=16)
+        CHUNK_SHAPES = ((1, 40),)
         DRY.update(iters=2)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -455,7 +546,7 @@ def main():
     log(f"device {RESULTS['device']}, jax {jax.__version__}, "
         f"mosaic available: {gmm_mod.grouped_matmul_mgpu.available()}")
     only = set(filter(None, args.only.split(","))) or {"peaks", "grouped", "sparse", "gchecks",
-                                                       "schecks"}
+                                                       "schecks", "chunk"}
     t0 = time.time()
     if "peaks" in only:
         peaks()
@@ -489,6 +580,13 @@ def main():
                 if b == 16:
                     variants.append(("mosaic_gpu splits=10", dict(splits=10)))
             sparse_case(b, variants)
+    if "chunk" in only:
+        for b, s in CHUNK_SHAPES:
+            for layer in ("swa", "hca", "csa"):
+                variants = [("mosaic_gpu", {})]
+                if not args.quick:
+                    variants.append(("mosaic_gpu stages=3", dict(stages=3)))
+                chunk_case(b, s, layer, variants)
     RESULTS["wall_s"] = time.time() - t0
     txt = table()
     tag = ("h200" if "H200" in RESULTS["device"] else "gpu") + (f"_{args.tag}" if args.tag else "")

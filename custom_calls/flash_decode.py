@@ -46,17 +46,25 @@ def supported_geometry(heads: int, head_dim: int, dtype) -> bool:
             and heads <= MAX_HEADS)
 
 
-def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: int, stages: int,
-                 interpret: bool, qk_split: bool):
-    """q [T,H,d], keys [G,Lk,d], bias [T,L] fp32 -> o [T,splits,H,d] (keys' dtype) and
-    lse2 [T,splits,64] fp32.
+def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: int, block_k: int,
+                 stages: int, interpret: bool, qk_split: bool, fold_sink: bool):
+    """q [C,R,d] (R = P x H rows: P tokens a CTA, heads fastest), keys [G,Lk,d], bias
+    [C,P,L] fp32, sink_rows [64] fp32 (log2 units, row r's head's sink) -> o [C,splits,R,d]
+    (keys' dtype) and lse2 [C,splits,64] fp32.
 
-    Token t reads keys[t // tokens_per_key]; key rows past Lk read as zeros (TMA fills them)."""
+    CTA c reads keys[c // (tokens_per_key / P)]; key rows past Lk read as zeros (TMA fills
+    them). fold_sink: the softmax starts from the sink logit (max = sink, sum = 1), so o is
+    final (one split only). live (optional, one split): [C, 1 + nblk] int32, CTA c's count n
+    of key blocks to visit, then their indices: the other blocks (masked for all of its
+    tokens) are neither loaded nor computed."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     t_count, h, d = q.shape
-    length = bias.shape[1]
+    per_cta, length = bias.shape[1:]
+    heads = h // per_cta
+    ctas_per_key = tokens_per_key // per_cta
+    assert not fold_sink or splits == 1
     dtype = keys.dtype
     dh = d // 2
     nblk = length // block_k // splits
@@ -64,7 +72,10 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
     stages = max(1, min(stages, nblk))
     scale2 = LOG2E / math.sqrt(d)
 
-    def kernel(q_ref, k_ref, b_ref, o_ref, lse_ref, scoped):
+    skip = bool(live)
+    assert not skip or splits == 1
+
+    def kernel(q_ref, k_ref, b_ref, s_ref, live_ref, o_ref, lse_ref, scoped):
         (q_smem, k_smem, b_smem, lse_smem), (k_bar, b_bar, q_bar), consumed, done = scoped[:4]
         if qk_split:
             x_smem, x_bar = scoped[4:6]
@@ -72,17 +83,24 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
         split = lax.axis_index("split")
         wg = lax.axis_index("wg")
         base = split * (nblk * block_k)
-        group = tok // tokens_per_key
+        group = tok // ctas_per_key
+        n_visit = jnp.maximum(live_ref[tok, 0], 1) if skip else nblk
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(q_bar.at[0])
             plgpu.barrier_wait(q_bar.at[1])
-            m_i = plgpu.layout_cast(jnp.full((_ROWS,), -1e30, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
+            if fold_sink:     # the sink is key zero: its logit starts the max, its exp the sum
+                plgpu.barrier_wait(q_bar.at[2])
+                m_i = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((_ROWS,), 1.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+            else:
+                m_i = plgpu.layout_cast(jnp.full((_ROWS,), -1e30, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((_ROWS, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def step(i, carry):
@@ -123,8 +141,7 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
                             plgpu.wgmma(acc_ref, q_smem.at[half], k_half.transpose((1, 0)))
                         return acc_ref[...]
                     s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
-                bias2 = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                s = s * scale2 + lax.broadcast_in_dim(bias2 * LOG2E, s.shape, [1])
+                s = s * scale2 + _row_bias(b_smem.at[slot], s.shape)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -152,8 +169,8 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
                 plgpu.barrier_arrive(consumed.at[slot])
                 return acc, m_new, l_i
 
-            acc, m_i, l_i = lax.fori_loop(0, nblk, step, (acc, m_i, l_i))
-            # Both warpgroups are done reading q_smem: reuse it for the output.
+            acc, m_i, l_i = lax.fori_loop(0, n_visit, step, (acc, m_i, l_i))
+            # Both warpgroups are done reading q_smem (and lse_smem's sinks): reuse them.
             plgpu.barrier_arrive(done.at[0])
             plgpu.barrier_wait(done.at[0])
             l_safe = jnp.maximum(l_i, 1e-30)
@@ -179,18 +196,26 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
             for half in range(2):
                 plgpu.copy_gmem_to_smem(q_ref.at[tok, :, pl.ds(half * dh, dh)],
                                         q_smem.at[half, pl.ds(0, h)], q_bar.at[half])
+            if fold_sink:
+                plgpu.copy_gmem_to_smem(s_ref, lse_smem, q_bar.at[2])
 
             def fetch(i, slot):
-                start = base + i * block_k
+                start = base + (live_ref[tok, 1 + i] if skip else i) * block_k
                 plgpu.copy_gmem_to_smem(k_ref.at[group, pl.ds(start, block_k)], k_smem.at[slot],
                                         k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(b_ref.at[tok, pl.ds(start, block_k)], b_smem.at[slot],
-                                        b_bar.at[slot])
+                plgpu.copy_gmem_to_smem(b_ref.at[tok, :, pl.ds(start, block_k)],
+                                        b_smem.at[slot], b_bar.at[slot])
+
+            def when_visited(i, fn):
+                if skip:
+                    pl.when(i < n_visit)(fn)
+                else:
+                    fn()
 
             for i in range(stages):
-                fetch(i, i)
+                when_visited(i, lambda i=i: fetch(i, i))
 
-            @pl.loop(stages, nblk)
+            @pl.loop(stages, n_visit)
             def _(i):
                 slot = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(consumed.at[slot])
@@ -199,19 +224,34 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
             # Observe the last `stages` consumptions too (one a slot): every barrier phase
             # is then seen by each thread that waits on it, as the interpret mode checks.
             for slot in range(stages):
-                plgpu.barrier_wait(consumed.at[slot])
+                when_visited(slot, lambda slot=slot: plgpu.barrier_wait(consumed.at[slot]))
 
-    def flash_decode_split(q_ref, k_ref, b_ref, o_ref, lse_ref):
+    def _row_bias(b_tile, shape):
+        """The [P, block_k] bias tile as [64, block_k] log2-unit logits: row r takes its
+        token's (r // H) row."""
+        def cols(j):
+            bias2 = plgpu.load(b_tile.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(bias2 * LOG2E, shape, [1])
+        out = cols(0)
+        if per_cta > 1:
+            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            for j in range(1, per_cta):
+                out = jnp.where(row >= j * heads, cols(j), out)
+        return out
+
+    def flash_decode_split(q_ref, k_ref, b_ref, s_ref, *rest):
+        live_ref = rest[0] if skip else None
+        o_ref, lse_ref = rest[-2:]
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         smem = (
             plgpu.SMEM((2, _ROWS, dh), dtype, transforms=(tiling, swizzle)),  # q halves, then o
             plgpu.SMEM((stages, block_k, d), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((stages, block_k), jnp.float32),
-            plgpu.SMEM((_ROWS,), jnp.float32),
+            plgpu.SMEM((stages, per_cta, block_k), jnp.float32),
+            plgpu.SMEM((_ROWS,), jnp.float32),            # the sinks, then lse
         )
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=2))
+                plgpu.Barrier(num_barriers=3))
         extra = ()
         if qk_split:
             extra += (plgpu.SMEM((_ROWS, block_k), jnp.float32,
@@ -220,7 +260,7 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
         if interpret:
             extra += (plgpu.SMEM((2, _ROWS, block_k), dtype, transforms=(tiling, swizzle)),)
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, b_ref, o_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, b_ref, s_ref, live_ref, o_ref, lse_ref, scoped),
             smem, bars,
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -237,10 +277,11 @@ def _kernel_call(q, keys, bias, *, tokens_per_key: int, splits: int, block_k: in
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, keys, bias)
+    )(q, keys, bias, sink_rows, *live)
 
 
-_kernel = lowered_once(_kernel_call, "tokens_per_key", "splits", "block_k", "stages", "qk_split")
+_kernel = lowered_once(_kernel_call, "tokens_per_key", "splits", "block_k", "stages", "qk_split",
+                       "fold_sink")
 
 
 def choose_splits(tokens: int, nblk: int, num_sms: int = NUM_SMS) -> int:
@@ -263,12 +304,29 @@ def plan(tokens: int, n_keys: int, block_k: int, splits: int | None, interpret: 
     return splits, round_up(nblk * block_k, block_k * multiple)
 
 
+def live_blocks(bias, block_k: int):
+    """bias [C, P, L] fp32 -> [C, 1 + L / block_k] int32: a CTA's count of key blocks with
+    some finite bias, then those blocks' indices in order (the rest: unused)."""
+    c, p, length = bias.shape
+    live = jnp.isfinite(bias.reshape(c, p, length // block_k, block_k)).any(axis=(1, 3))
+    order = jnp.argsort(~live, axis=1, stable=True).astype(jnp.int32)
+    return jnp.concatenate([live.sum(axis=1, dtype=jnp.int32)[:, None], order], axis=1)
+
+
 def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, block_k: int = 64,
-                 stages: int = 2, qk_split: bool = True, interpret: bool = False):
+                 stages: int = 2, qk_split: bool = True, tokens_per_cta: int = 1,
+                 skip_masked: bool = False, interpret: bool = False):
     """q [T,H,d]; keys [G,Lk,d] (K = V, G = T / tokens_per_key); bias [T,L] fp32 additive
-    (L a multiple of block_k * splits, -inf past Lk); sinks [H] fp32 -> o [T,H,d] in keys' dtype."""
+    (L a multiple of block_k * splits, -inf past Lk); sinks [H] fp32 -> o [T,H,d] in keys' dtype.
+
+    tokens_per_cta P > 1 (P x H <= 64 rows, P dividing T and tokens_per_key; one split): a
+    CTA serves P consecutive tokens of one key list, each key block loaded once for all of
+    them, and the sink enters the softmax in the kernel (no merge after it): prefill tiles.
+    skip_masked (one split): a CTA visits only the key blocks where some bias of its tokens
+    is finite (`live_blocks`)."""
     t_count, h, d = q.shape
     g, lk, d2 = keys.shape
+    p = tokens_per_cta
     if not supported_geometry(h, d, keys.dtype) or d2 != d:
         raise ValueError(f"flash_decode: unsupported geometry q{q.shape} keys{keys.shape} "
                          f"{keys.dtype}")
@@ -278,12 +336,24 @@ def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, 
     if bias.shape[1] % (block_k * splits) or bias.shape[1] < lk or (lk > 8 and lk % 8):
         raise ValueError(f"flash_decode: bias length {bias.shape[1]} / key length {lk} do not fit "
                          f"block_k={block_k} x splits={splits}")
+    if p < 1 or p * h > _ROWS or tokens_per_key % p or (p > 1 and splits != 1):
+        raise ValueError(f"flash_decode: tokens_per_cta={p} needs P x H <= {_ROWS}, P dividing "
+                         f"tokens_per_key={tokens_per_key} and one split (got {splits})")
     dtype = keys.dtype
-    o, lse2 = _kernel(q.astype(dtype), keys, bias.astype(jnp.float32),
-                      tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
-                      stages=stages, interpret=interpret, qk_split=qk_split)
-    lse2 = lse2[..., :h]                                     # [T, splits, H]
     sink2 = sinks.astype(jnp.float32) * LOG2E                # [H]
+    fold = p > 1
+    sink_rows = jnp.pad(jnp.tile(sink2, p), (0, _ROWS - p * h))
+    if skip_masked and splits != 1:
+        raise ValueError(f"flash_decode: skip_masked needs one split (got {splits})")
+    bias = bias.astype(jnp.float32).reshape(t_count // p, p, -1)
+    live = (live_blocks(bias, block_k),) if skip_masked else ()
+    o, lse2 = _kernel(q.astype(dtype).reshape(t_count // p, p * h, d), keys, bias, sink_rows,
+                      *live,
+                      tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
+                      stages=stages, interpret=interpret, qk_split=qk_split, fold_sink=fold)
+    if fold:
+        return o.reshape(t_count, h, d)
+    lse2 = lse2[..., :h]                                     # [T, splits, H]
     mx = jnp.maximum(lse2.max(axis=1), sink2[None])          # [T, H]
     wts = jnp.exp2(lse2 - mx[:, None])                       # [T, splits, H]
     den = wts.sum(axis=1) + jnp.exp2(sink2[None] - mx)       # [T, H]

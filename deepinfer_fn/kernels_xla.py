@@ -125,35 +125,45 @@ def chunk_block_size(window: int) -> int:
     return max(8, -(-window // 8) * 8)
 
 
-@register("chunk_attention", "xla")
-def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
-                    extra_keys=None, extra_bias=None, key_floor=None):
-    """`kernels.chunk_attention` in XLA, the window blocked: the chunk is cut into query
-    blocks of Q = `chunk_block_size(window)` tokens, and block i attends to the R + Q keys
-    E[iQ : iQ + R + Q] of E = [ring slots in position order | chunk keys] -- every key its
-    queries' windows can hold (R >= window), so S x (R + Q) logits instead of S x (R + S).
+def window_blocks(kv, start, n_new, ring_kv, ring_pos, window: int, key_floor=None):
+    """The blocked window of a chunk (`kernels.chunk_attention`'s arguments): the chunk cut
+    into nb query blocks of Q = `chunk_block_size(window)` tokens (padded to nb * Q), block i's
+    keys E[iQ : iQ + R + Q] of E = [ring slots in position order | chunk keys] -- every key
+    its queries' windows can hold (R >= window) -- and their visibility.
+    Returns (k_blk [B,nb,R+Q,d] in kv's dtype, ok [B,nb,Q,R+Q] bool).
+
     The ring is put in position order by a per-row rotation: slot (start - R + j) % R holds
     position start - R + j or a position older than every window of the chunk."""
     dtype = kv.dtype
-    b, s, h, d = q.shape
+    b, s = kv.shape[:2]
     r = ring_kv.shape[1]
     if r < window:
         raise ValueError(f"chunk_attention: ring of {r} slots < window {window}")
     qb = chunk_block_size(window)
     nb = -(-s // qb)
-    sp = nb * qb
+    pad = nb * qb - s
     positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s, key_floor)
     order = (start[:, None] - r + jnp.arange(r, dtype=jnp.int32)) % r            # [B, R]
     ring_kv = jnp.take_along_axis(ring_kv.astype(dtype), order[..., None], axis=1)
     ring = jnp.take_along_axis(ring, order, axis=1)
-    pad = sp - s
     e_kv = jnp.concatenate([ring_kv, jnp.pad(kv, ((0, 0), (0, pad), (0, 0)))], axis=1)
     e_pos = jnp.concatenate([ring, jnp.pad(chunk, ((0, 0), (0, pad)), constant_values=-1)], 1)
     take = (jnp.arange(nb) * qb)[:, None] + jnp.arange(r + qb)[None]            # [nb, R+Q]
-    k_blk = e_kv[:, take]                                                        # [B,nb,R+Q,d]
-    kpos_blk = e_pos[:, take]
     q_pos = jnp.pad(positions, ((0, 0), (0, pad))).reshape(b, nb, qb)
-    ok = _window_ok(q_pos, kpos_blk, window)                                     # [B,nb,Q,R+Q]
+    return e_kv[:, take], _window_ok(q_pos, e_pos[:, take], window)
+
+
+@register("chunk_attention", "xla")
+def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
+                    extra_keys=None, extra_bias=None, key_floor=None):
+    """`kernels.chunk_attention` in XLA, the window blocked (`window_blocks`): each query
+    block of Q tokens attends to its R + Q keys, so S x (R + Q) logits instead of S x (R + S)."""
+    dtype = kv.dtype
+    b, s, h, d = q.shape
+    k_blk, ok = window_blocks(kv, start, n_new, ring_kv, ring_pos, window, key_floor)
+    nb, qb = ok.shape[1:3]
+    sp = nb * qb
+    pad = sp - s
     q_blk = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, qb, h, d)
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     lw = einsum("bnqhd,bnkd->bnqhk", q_blk, k_blk, out_dtype=jnp.float32, dtype=dtype) * scale

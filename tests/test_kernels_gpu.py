@@ -89,7 +89,8 @@ def _grouped(seed, m, k, n, g, pad, empty=()):
 
 
 def test_registered_and_not_chosen_on_cpu():
-    for op in ("grouped_matmul", "sparse_attention", "attention", "linear", "linear_many"):
+    for op in ("grouped_matmul", "sparse_attention", "attention", "chunk_attention", "linear",
+               "linear_many"):
         assert "mosaic_gpu" in kernels.implementations(op)
         fn = kernels.implementation(op, "mosaic_gpu")
         assert fn.available() is (not INTERPRET)
@@ -162,6 +163,81 @@ def test_sparse_attention_unsupported_falls_back():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(kernels_xla.sparse_attention(*args)))
 
 
+def _chunk(seed, b, s, h, d, r, window, n_extra, start, n_new, floor=None):
+    """bf16 chunk_attention inputs: rings holding the positions before each row's start
+    (wrapped), shared extra keys with a random mask."""
+    rng = np.random.default_rng(seed)
+    rp = np.full((b, r), -1, np.int32)
+    for bi in range(b):
+        for p in range(max(0, start[bi] - r), start[bi]):
+            rp[bi, p % r] = p
+    bf = jnp.bfloat16
+    args = (jnp.asarray(rng.standard_normal((b, s, h, d)), bf),
+            jnp.asarray(rng.standard_normal((b, s, d)), bf), jnp.asarray(start, jnp.int32),
+            jnp.asarray(n_new, jnp.int32), jnp.asarray(rng.standard_normal((b, r, d)), bf),
+            jnp.asarray(rp), jnp.asarray(rng.standard_normal(h), jnp.float32))
+    kw = {}
+    if n_extra:
+        kw = dict(extra_keys=jnp.asarray(rng.standard_normal((b, n_extra, d)), bf),
+                  extra_bias=jnp.asarray(np.where(rng.random((b, s, n_extra)) < 0.5, 0.0,
+                                                  -np.inf), jnp.float32))
+    if floor is not None:
+        kw["key_floor"] = jnp.asarray(floor, jnp.int32)
+    return args, kw
+
+
+@pytest.mark.parametrize("h,n_extra,floor", [
+    (16, 10, None),      # 4 tokens a CTA, shared extra keys
+    (8, 0, [3, 9]),      # 8 tokens a CTA, window only, a key floor (bounded replay)
+])
+def test_chunk_attention_interpret(h, n_extra, floor):
+    from custom_calls.chunk_attention import chunk_attention_mgpu
+    s, start, n_new = 37, [0, 5], [37, 30]
+    args, kw = _chunk(h + n_extra, 2, s, h, 128, 11, 8, n_extra, start, n_new, floor)
+    fn = functools.partial(chunk_attention_mgpu, window=8, interpret=INTERPRET, **kw)
+    got = np.asarray(run_kernel(fn, *args).astype(jnp.float32))
+    want = np.asarray(kernels_xla.chunk_attention(*args, window=8, **kw).astype(jnp.float32))
+    valid = np.arange(s)[None] < np.asarray(n_new)[:, None]     # padding queries: unspecified
+    assert got.shape == want.shape and not np.isnan(got[valid]).any()
+    assert _rel(got[valid], want[valid]) < 1e-2
+
+
+def test_chunk_attention_skips_masked_blocks_interpret():
+    """CTAs of early tokens see fewer extra-key blocks: they visit 1 of 4 key blocks, the
+    last ones 3 (the window's block and the visible prefix), with the same result."""
+    from custom_calls.chunk_attention import block_keys, chunk_attention_mgpu
+    from custom_calls.flash_decode import live_blocks
+    s, h, n = 160, 16, 200
+    args, _ = _chunk(11, 1, s, h, 128, 8, 8, 0, [0], [s])
+    rng = np.random.default_rng(3)
+    ek = jnp.asarray(rng.standard_normal((1, n, 128)), jnp.bfloat16)
+    eb = jnp.asarray(np.where(np.arange(n)[None] <= np.arange(s)[:, None], 0.0, -np.inf)[None],
+                     jnp.float32)
+    _, bias, _ = block_keys(*args[1:6], 8, ek, eb, None, 64)
+    counts = np.asarray(live_blocks(bias.reshape(-1, 64 // h, bias.shape[1]), 64))[:, 0]
+    assert bias.shape[1] == 256 and counts.min() == 1 and counts.max() == 3
+    fn = functools.partial(chunk_attention_mgpu, window=8, extra_keys=ek, extra_bias=eb,
+                           interpret=INTERPRET)
+    got = np.asarray(run_kernel(fn, *args).astype(jnp.float32))
+    want = kernels_xla.chunk_attention(*args, window=8, extra_keys=ek, extra_bias=eb)
+    assert not np.isnan(got).any() and _rel(got, np.asarray(want, np.float32)) < 1e-2
+
+
+def test_chunk_attention_unsupported_falls_back():
+    """Per-token extra keys and decode-sized chunks are served by the XLA reference."""
+    from custom_calls.chunk_attention import chunk_attention_mgpu
+    args, _ = _chunk(5, 1, 20, 16, 128, 8, 8, 0, [0], [20])
+    rng = np.random.default_rng(0)
+    per_token = dict(extra_keys=jnp.asarray(rng.standard_normal((1, 20, 3, 128)), jnp.bfloat16),
+                     extra_bias=jnp.zeros((1, 20, 3), jnp.float32))
+    for a, kw in ((args, per_token), (tuple(x[:, :8] if i in (0, 1) else x
+                                            for i, x in enumerate(args)), {})):
+        fn = functools.partial(chunk_attention_mgpu, window=8, **kw)
+        assert pallas_kernels(fn, *a) == []
+        np.testing.assert_array_equal(np.asarray(fn(*a), np.float32), np.asarray(
+            kernels_xla.chunk_attention(*a, window=8, **kw), np.float32))
+
+
 def test_kernels_lower_for_cuda():
     """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) runs on any host."""
     sd = jax.ShapeDtypeStruct
@@ -176,6 +252,16 @@ def test_kernels_lower_for_cuda():
     csa_input = [sd((2048, n), jnp.bfloat16) for n in (768, 512, 1024, 1024, 256, 256)]
     exported = jax.export.export(jax.jit(linear_many_mgpu), platforms=["cuda"])(
         sd((16, 2048), jnp.bfloat16), csa_input)
+    assert exported.mlir_module().count("mosaic_gpu") >= 1
+    from custom_calls.chunk_attention import chunk_attention_mgpu    # mini's CSA prefill
+
+    def csa_chunk(*a, ek, eb):
+        return chunk_attention_mgpu(*a, window=128, extra_keys=ek, extra_bias=eb)
+    exported = jax.export.export(jax.jit(csa_chunk), platforms=["cuda"])(
+        sd((1, 4096, 32, 512), jnp.bfloat16), sd((1, 4096, 512), jnp.bfloat16),
+        sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1, 128, 512), jnp.bfloat16),
+        sd((1, 128), jnp.int32), sd((32,), jnp.float32), ek=sd((1, 1024, 512), jnp.bfloat16),
+        eb=sd((1, 4096, 1024), jnp.float32))
     assert exported.mlir_module().count("mosaic_gpu") >= 1
     assert time.time() - t0 < 40
 

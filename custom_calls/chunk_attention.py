@@ -1,0 +1,106 @@
+"""Prefill chunk attention for Hopper in Pallas Mosaic GPU (`chunk_attention`/`mosaic_gpu`).
+
+Contract: deepinfer_fn.kernels.chunk_attention (a chunk of S new tokens over its sliding
+window plus optional extra keys shared by a row's tokens, one softmax with the sink, K = V).
+
+Structure:
+1. XLA: the blocked window of the chunk (`kernels_xla.window_blocks`: query blocks of Q
+   tokens, each with the R + Q window keys its tokens can see) and one key list a block:
+   keys[b, i] = [window keys of block i | the row's extra keys, zero-padded to whole key
+   blocks] ([B*nb, L, d]), with each token's additive bias [B*Sp, L] fp32 (0 / -inf).
+   That is (R + Q + N) x d keys a block instead of S x H x (R + Q + N) fp32 logits.
+2. The flash kernel of custom_calls/flash_decode.py with P = 64 / H tokens a CTA (their
+   P x H query rows fill one wgmma tile and share every key block they load), one split,
+   the sink folded into the softmax: its output is the result. A CTA visits only the key
+   blocks some of its tokens can see (about 3 of the window's and the visible prefix of
+   the extra keys).
+
+Supported (`supported`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H dividing 64 with
+H >= 8, chunks of more than MIN_TOKENS tokens, no extra keys or extra keys shared by the
+row ([B,N,d]) with materialised key lists of at most MAX_KEY_BYTES. Everything else (decode
+and verify chunks, per-token extra keys) is served by the XLA reference.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from custom_calls._common import on_hopper, round_up
+from custom_calls.flash_decode import flash_decode, supported_geometry
+from deepinfer_fn import kernels_xla
+
+MIN_TOKENS = 16               # shorter chunks (decode, verify) go through the decode kernels
+MAX_KEY_BYTES = 1 << 30       # the per-block key lists this path materialises
+
+
+def _key_bytes(b: int, s: int, window: int, r: int, n: int, d: int, itemsize: int,
+               block_k: int) -> int:
+    qb = kernels_xla.chunk_block_size(window)
+    nb = -(-s // qb)
+    return b * nb * round_up(r + qb + n, block_k) * d * itemsize
+
+
+def supported(q, kv, ring_kv, window: int, extra_keys=None, block_k: int = 64) -> bool:
+    """Whether `chunk_attention_mgpu` runs the kernel for these inputs."""
+    b, s, h, d = q.shape
+    n = 0 if extra_keys is None else extra_keys.shape[1]
+    return (supported_geometry(h, d, kv.dtype) and 64 % h == 0 and s > MIN_TOKENS
+            and (extra_keys is None or extra_keys.ndim == 3)
+            and ring_kv.shape[1] >= window
+            and _key_bytes(b, s, window, ring_kv.shape[1], n, d, kv.dtype.itemsize,
+                           block_k) <= MAX_KEY_BYTES)
+
+
+def block_keys(kv, start, n_new, ring_kv, ring_pos, window: int, extra_keys, extra_bias,
+               key_floor, block_k: int):
+    """(keys [B*nb, L, d], bias [B*Sp, L] fp32, Q): each query block's key list (its window
+    keys, then the row's extra keys), L a multiple of block_k, -inf on every padding key."""
+    k_blk, ok = kernels_xla.window_blocks(kv, start, n_new, ring_kv, ring_pos, window,
+                                          key_floor)
+    b, nb, qb, lw = ok.shape
+    sp = nb * qb
+    d = kv.shape[-1]
+    n = 0 if extra_keys is None else extra_keys.shape[1]
+    length = round_up(lw + n, block_k)
+    parts = [k_blk]
+    bias = [jnp.where(ok, 0.0, -jnp.inf).reshape(b, sp, lw)]
+    if extra_keys is not None:
+        parts.append(jnp.broadcast_to(extra_keys.astype(kv.dtype)[:, None], (b, nb, n, d)))
+        bias.append(jnp.pad(extra_bias.astype(jnp.float32),
+                            ((0, 0), (0, sp - extra_bias.shape[1]), (0, 0))))
+    parts.append(jnp.zeros((b, nb, length - lw - n, d), kv.dtype))
+    bias.append(jnp.full((b, sp, length - lw - n), -jnp.inf, jnp.float32))
+    keys = jnp.concatenate(parts, axis=2).reshape(b * nb, length, d)
+    return keys, jnp.concatenate(bias, axis=2).reshape(b * sp, length), qb
+
+
+def chunk_attention_mgpu(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: int,
+                         extra_keys=None, extra_bias=None, key_floor=None,
+                         interpret: bool = False, block_k: int = 64, stages: int = 2,
+                         skip_masked: bool = True):
+    """Registry signature (deepinfer_fn.kernels.chunk_attention); unsupported inputs (see
+    `supported`) are served by the XLA reference."""
+    if not supported(q, kv, ring_kv, window, extra_keys, block_k):
+        return kernels_xla.chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks,
+                                           window=window, extra_keys=extra_keys,
+                                           extra_bias=extra_bias, key_floor=key_floor)
+    b, s, h, d = q.shape
+    keys, bias, qb = block_keys(kv, start, n_new, ring_kv, ring_pos, window, extra_keys,
+                                extra_bias, key_floor, block_k)
+    sp = bias.shape[0] // b
+    q_p = jnp.pad(q.astype(kv.dtype), ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+    o = flash_decode(q_p.reshape(b * sp, h, d), keys, bias, sinks, tokens_per_key=qb,
+                     splits=1, block_k=block_k, stages=stages, tokens_per_cta=64 // h,
+                     skip_masked=skip_masked,
+                     interpret=interpret)
+    return o.reshape(b, sp, h, d)[:, :s]
+
+
+def chunk_attention_prefers(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: int,
+                            extra_keys=None, **_) -> bool:
+    """The platform preference takes the kernel wherever it is supported."""
+    return supported(q, kv, ring_kv, window, extra_keys)
+
+
+chunk_attention_mgpu.available = on_hopper
+chunk_attention_mgpu.prefers = chunk_attention_prefers
