@@ -11,6 +11,8 @@
     d = 512, window 128): SWA (window only), HCA (+ every visible row of ratio 128) and CSA
     (+ a top-512 selection of the visible rows of ratio 4). FLOPs counted are those of the
     visible keys (4 H d a query-key pair), as a dense flash kernel with masks does no less.
+(d) index_scores, `mini`'s CSA indexer over a prefill chunk (1 x 4096 tokens x 1024 rows,
+    8 x 512 x 128; 32 heads of 128).
 
 Each case is checked against the XLA reference first (relative Frobenius error, NaNs), then
 timed: compile and warm up, then the median (and 10th / 90th percentiles) of many
@@ -47,6 +49,7 @@ from deepinfer_fn import kernels, kernels_xla  # noqa: E402
 
 from custom_calls import chunk_attention as ca_mod  # noqa: E402
 from custom_calls import grouped_matmul as gmm_mod  # noqa: E402
+from custom_calls import indexer as idx_mod  # noqa: E402
 from custom_calls import sparse_attention as sa_mod  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOPK = 2048, 512, 64, 6
@@ -439,6 +442,45 @@ def chunk_case(b, s, layer, variants, nsets=2):
         log("      kernels: " + "; ".join(f"{k[:40]} {t:.1f}" for k, t in r.get("kernels", [])))
 
 
+INDEX = dict(h=32, d=128, shapes=((1, 4096, 1024), (8, 512, 128)))
+
+
+@guarded("index_scores")
+def index_case(b, t, n, nsets=2):
+    h, d = INDEX["h"], INDEX["d"]
+    sets = []
+    for i in range(nsets):
+        k1, k2, k3 = jax.random.split(jax.random.key(100 + i), 3)
+        sets.append((jax.random.normal(k1, (b, t, h, d), jnp.bfloat16),
+                     jax.random.uniform(k2, (b, t, h), jnp.float32),
+                     jax.random.normal(k3, (b, n, d), jnp.bfloat16)))
+    label = f"index_scores {b}x{t} N={n} H={h} d={d}"
+    log(label)
+    flops = 2.0 * b * t * h * n * d
+    bytes_ = b * t * h * d * 2 + b * t * h * 4 + b * n * d * 2 + b * t * n * 4
+    want = jax.jit(kernels_xla.index_scores)(*sets[0])
+    impls = [("xla", kernels_xla.index_scores),
+             ("mosaic_gpu", functools.partial(idx_mod.index_scores_mgpu, **_interp()))]
+    for name, fn in impls:
+        try:
+            if name != "xla":
+                assert idx_mod.supported(*sets[0])
+                if not check(f"{label} {name}", jax.jit(fn)(*sets[0]), want, tol=1e-4):
+                    continue
+            r = bench(fn, sets)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
+            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
+                                      "traceback": traceback.format_exc()[-6000:]})
+            continue
+        rec = {"op": "index_scores", "case": f"{b}x{t} N={n}", "impl": name, "B": b, "T": t,
+               "N": n, "H": h, "d": d, "config": {}, "flops": flops, "bytes": bytes_, **r,
+               "TFLOPs": flops / (r["us"] * 1e-6) / 1e12, "TBps": bytes_ / (r["us"] * 1e-6) / 1e12}
+        RESULTS["cases"].append(rec)
+        log(f"  {name:34s} {r['us']:9.1f} us  (p10 {r['p10']:.1f} p90 {r['p90']:.1f})  "
+            f"{rec['TFLOPs']:7.2f} TFLOP/s  {rec['TBps']:5.2f} TB/s")
+
+
 # ------------------------------------------------------------------ report
 def table():
     pk = RESULTS.get("peaks", {})
@@ -474,8 +516,11 @@ def plot(path):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    for ax, op in zip(axes, ("grouped_matmul", "sparse_attention")):
+    ops = list(dict.fromkeys(c["op"] for c in RESULTS["cases"]))
+    if not ops:
+        return
+    fig, axes = plt.subplots(1, len(ops), figsize=(7.5 * len(ops), 5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
         cs = [c for c in RESULTS["cases"] if c["op"] == op and not c["impl"].startswith("mgpu: ")]
         cases = list(dict.fromkeys(c["case"] for c in cs))
         impls = list(dict.fromkeys(c["impl"] for c in cs))
@@ -503,7 +548,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--only", default="",
-                    help="comma list: peaks,grouped,sparse,gchecks,schecks,chunk")
+                    help="comma list: peaks,grouped,sparse,gchecks,schecks,chunk,index")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--dry", action="store_true",
                     help="CPU plumbing test: tiny shapes, kernels in GPU interpret mode")
@@ -535,6 +580,7 @@ def main():
         SPARSE.update(h=8, d=128, wk=64, k=64, n=256)
         CHUNK.update(h=16, d=128, window=8, topk=4, hca_ratio=16)
         CHUNK_SHAPES = ((1, 40),)
+        INDEX.update(h=16, d=64, shapes=((1, 64, 64),))
         DRY.update(iters=2)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -546,7 +592,7 @@ def main():
     log(f"device {RESULTS['device']}, jax {jax.__version__}, "
         f"mosaic available: {gmm_mod.grouped_matmul_mgpu.available()}")
     only = set(filter(None, args.only.split(","))) or {"peaks", "grouped", "sparse", "gchecks",
-                                                       "schecks", "chunk"}
+                                                       "schecks", "chunk", "index"}
     t0 = time.time()
     if "peaks" in only:
         peaks()
@@ -587,6 +633,9 @@ def main():
                 if not args.quick:
                     variants.append(("mosaic_gpu stages=3", dict(stages=3)))
                 chunk_case(b, s, layer, variants)
+    if "index" in only:
+        for b, t, n in INDEX["shapes"]:
+            index_case(b, t, n)
     RESULTS["wall_s"] = time.time() - t0
     txt = table()
     tag = ("h200" if "H200" in RESULTS["device"] else "gpu") + (f"_{args.tag}" if args.tag else "")

@@ -8,6 +8,7 @@
   sinkhorn          custom_calls.mhc.sinkhorn_mgpu
   attention         custom_calls.attention.attention_mgpu
   chunk_attention   custom_calls.chunk_attention.chunk_attention_mgpu  (prefill chunks)
+  index_scores      custom_calls.indexer.index_scores_mgpu  (prefill chunks)
   compressor_decode custom_calls.compressor.compressor_decode_mgpu  (opt-in: available() is False)
   linear            custom_calls.dense.linear_mgpu          (decode rows: M <= 64)
   grouped_linear    custom_calls.dense.grouped_linear_mgpu  (decode rows: M <= 64)
@@ -26,6 +27,7 @@ from custom_calls.mhc import (mhc_post_mgpu, mhc_pre_mgpu, mhc_pre_prefers, mhc_
                               sinkhorn_mgpu)
 from custom_calls.attention import attention_mgpu
 from custom_calls.chunk_attention import chunk_attention_mgpu
+from custom_calls.indexer import index_scores_mgpu
 from custom_calls.compressor import compressor_decode_mgpu
 from custom_calls.dense import grouped_linear_mgpu, linear_many_mgpu, linear_mgpu
 
@@ -36,13 +38,14 @@ register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
 register("sinkhorn", "mosaic_gpu")(sinkhorn_mgpu)
 register("attention", "mosaic_gpu")(attention_mgpu)
 register("chunk_attention", "mosaic_gpu")(chunk_attention_mgpu)
+register("index_scores", "mosaic_gpu")(index_scores_mgpu)
 register("compressor_decode", "mosaic_gpu")(compressor_decode_mgpu)
 register("linear", "mosaic_gpu")(linear_mgpu)
 register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
 register("linear_many", "mosaic_gpu")(linear_many_mgpu)
 
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
-for _fn in (attention_mgpu, chunk_attention_mgpu, compressor_decode_mgpu):
+for _fn in (attention_mgpu, chunk_attention_mgpu, index_scores_mgpu, compressor_decode_mgpu):
     _fn.opt_in = True
 # The mHC post kernel: chosen on narrow streams of 128 tokens or more only; the pre side
 # picks its own path.
@@ -51,5 +54,5 @@ mhc_pre_mgpu.prefers = mhc_pre_prefers
 
 __all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
            "sinkhorn_mgpu",
-           "attention_mgpu", "chunk_attention_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu",
+           "attention_mgpu", "chunk_attention_mgpu", "index_scores_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu",
            "linear_many_mgpu"]

@@ -41,7 +41,7 @@ compressor_row_finish = kernels_xla.compressor_row_finish
 
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
            "register_unbuilt", "use", "grouped_matmul", "attention", "sparse_attention",
-           "chunk_attention", "top_k_rows", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
+           "chunk_attention", "index_scores", "top_k_rows", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
            "compressor_row_finish", "linear", "grouped_linear", "linear_many"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
@@ -102,6 +102,13 @@ def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: in
     return call("chunk_attention", q, kv, start, n_new, ring_kv, ring_pos, sinks,
                 window=window, extra_keys=extra_keys, extra_bias=extra_bias,
                 key_floor=key_floor)
+
+
+def index_scores(q_index, head_weights, index_rows) -> jax.Array:
+    """Lightning-indexer scores I(t, w) = sum_h omega[t, h] relu(q[t, h] . K[w]) / sqrt(d_I)
+    (spec §2.7): q_index [B,T,H,d_I], head_weights [B,T,H] fp32, index_rows [B,N,d_I] ->
+    [B,T,N] fp32 (dots of operands in the rows' dtype, fp32 accumulation)."""
+    return call("index_scores", q_index, head_weights, index_rows)
 
 
 def top_k_rows(scores, visible, k: int) -> jax.Array:

@@ -38,6 +38,18 @@ def attention(q, keys, bias, sinks):
     return einsum("bhts,bsd->bthd", probs, keys, out_dtype=dtype, dtype=dtype)
 
 
+@register("index_scores", "xla")
+def index_scores(q_index, head_weights, index_rows):
+    """`kernels.index_scores` in XLA. The dots take their operands in the rows' dtype with
+    fp32 accumulation (bf16 products are exact in fp32: the same values as an fp32 product
+    of the bf16 inputs, on the tensor cores); the head sum is a reduction over the minor
+    axis of [B, T, N, H_I]."""
+    d = q_index.shape[-1]
+    dots = einsum("bthd,bnd->btnh", q_index, index_rows, out_dtype=jnp.float32,
+                  dtype=index_rows.dtype)
+    return (jax.nn.relu(dots) * head_weights[:, :, None, :]).sum(-1) * d ** -0.5
+
+
 @register("sparse_attention", "xla")
 def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks):
     """`kernels.sparse_attention` in XLA: gathered rows, one softmax over window, rows, sink."""

@@ -89,8 +89,8 @@ def _grouped(seed, m, k, n, g, pad, empty=()):
 
 
 def test_registered_and_not_chosen_on_cpu():
-    for op in ("grouped_matmul", "sparse_attention", "attention", "chunk_attention", "linear",
-               "linear_many"):
+    for op in ("grouped_matmul", "sparse_attention", "attention", "chunk_attention",
+               "index_scores", "linear", "linear_many"):
         assert "mosaic_gpu" in kernels.implementations(op)
         fn = kernels.implementation(op, "mosaic_gpu")
         assert fn.available() is (not INTERPRET)
@@ -238,6 +238,31 @@ def test_chunk_attention_unsupported_falls_back():
             kernels_xla.chunk_attention(*a, window=8, **kw), np.float32))
 
 
+@pytest.mark.parametrize("b,t,h,d,n", [(2, 70, 32, 128, 100), (1, 64, 16, 64, 64)])
+def test_index_scores_interpret(b, t, h, d, n):
+    """8 / 16 tokens a CTA, tokens and keys padded to whole tiles."""
+    from custom_calls.indexer import index_scores_mgpu
+    rng = np.random.default_rng(t + n)
+    args = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32),
+            jnp.asarray(rng.standard_normal((b, n, d)), jnp.bfloat16))
+    got = np.asarray(run_kernel(functools.partial(index_scores_mgpu, interpret=INTERPRET), *args))
+    want = np.asarray(kernels_xla.index_scores(*args))
+    assert got.shape == want.shape == (b, t, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_index_scores_decode_falls_back():
+    from custom_calls.indexer import index_scores_mgpu
+    rng = np.random.default_rng(0)
+    args = (jnp.asarray(rng.standard_normal((2, 1, 32, 128)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((2, 1, 32)), jnp.float32),
+            jnp.asarray(rng.standard_normal((2, 40, 128)), jnp.bfloat16))
+    assert pallas_kernels(index_scores_mgpu, *args) == []
+    np.testing.assert_array_equal(np.asarray(index_scores_mgpu(*args)),
+                                  np.asarray(kernels_xla.index_scores(*args)))
+
+
 def test_kernels_lower_for_cuda():
     """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) runs on any host."""
     sd = jax.ShapeDtypeStruct
@@ -262,6 +287,11 @@ def test_kernels_lower_for_cuda():
         sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1, 128, 512), jnp.bfloat16),
         sd((1, 128), jnp.int32), sd((32,), jnp.float32), ek=sd((1, 1024, 512), jnp.bfloat16),
         eb=sd((1, 4096, 1024), jnp.float32))
+    assert exported.mlir_module().count("mosaic_gpu") >= 1
+    from custom_calls.indexer import index_scores_mgpu             # mini's CSA prefill
+    exported = jax.export.export(jax.jit(index_scores_mgpu), platforms=["cuda"])(
+        sd((1, 4096, 32, 128), jnp.bfloat16), sd((1, 4096, 32), jnp.float32),
+        sd((1, 1024, 128), jnp.bfloat16))
     assert exported.mlir_module().count("mosaic_gpu") >= 1
     assert time.time() - t0 < 40
 

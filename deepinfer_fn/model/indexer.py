@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn import kernels
-from deepinfer_fn.model.common import einsum, linear
+from deepinfer_fn.model.common import linear
 from deepinfer_fn.model.rope import apply_rope
 
 
@@ -20,15 +20,9 @@ def index_queries(p, c_q, x, cos, sin, cfg):
 
 
 def index_scores(q_index, head_weights, index_rows):
-    """I(t, w) = sum_h omega_h relu(q_h . K_w) / sqrt(d_I), fp32: -> [B, T, N].
-
-    The dots take their operands in the rows' dtype with fp32 accumulation (bf16 products
-    are exact in fp32: the same values as an fp32 product of the bf16 inputs, on the tensor
-    cores); the head sum is a reduction over the minor axis of [B, T, N, H_I]."""
-    d = q_index.shape[-1]
-    dots = einsum("bthd,bnd->btnh", q_index, index_rows, out_dtype=jnp.float32,
-                  dtype=index_rows.dtype)
-    return (jax.nn.relu(dots) * head_weights[:, :, None, :]).sum(-1) * d ** -0.5
+    """I(t, w) = sum_h omega_h relu(q_h . K_w) / sqrt(d_I), fp32: -> [B, T, N]
+    (the registry op `kernels.index_scores`)."""
+    return kernels.index_scores(q_index, head_weights, index_rows)
 
 
 def top_k_rows(scores, visible, k: int):
