@@ -16,8 +16,9 @@ Supported (`supported`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H a multip
 <= 64, T <= MAX_TOKENS query tokens a sequence (decode and speculative verify). Everything
 else, prefill tiles (T > MAX_TOKENS) included, is served by the XLA reference
 (`deepinfer_fn.kernels_xla.attention`): a CTA per query token streams all S keys, which for
-a prefill tile (S ~ T keys, T tokens) reads the keys T times; a query-block flash attention
-is the kernel that would serve prefill and is not built.
+a prefill tile (S ~ T keys, T tokens) reads the keys T times. Prefill chunks go through
+`chunk_attention` instead (custom_calls/chunk_attention.py: the same flash kernel, several
+tokens a CTA, the blocked window's key lists).
 """
 
 from __future__ import annotations
