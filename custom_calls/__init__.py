@@ -45,7 +45,7 @@ register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
 register("linear_many", "mosaic_gpu")(linear_many_mgpu)
 
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
-for _fn in (attention_mgpu, chunk_attention_mgpu, index_scores_mgpu, compressor_decode_mgpu):
+for _fn in (attention_mgpu, compressor_decode_mgpu):
     _fn.opt_in = True
 # The mHC post kernel: chosen on narrow streams of 128 tokens or more only; the pre side
 # picks its own path.

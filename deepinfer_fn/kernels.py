@@ -20,9 +20,9 @@ Backends:
               (`fn.prefers`), and `sinkhorn` (the
               unrolled Sinkhorn is most of XLA's compile time of a layer); `attention` and
               `compressor_decode` are opt-in (`fn.opt_in = True`: no faster than XLA at
-              decode sizes), and so are the prefill kernels `chunk_attention` and
-              `index_scores` (not yet timed on a GPU): force any of them with `use` or
-              DEEPINFER_KERNELS, e.g. "chunk_attention=mosaic_gpu,index_scores=mosaic_gpu".
+              decode sizes): force any of them with `use` or DEEPINFER_KERNELS, e.g.
+              "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu". Prefill chunks take
+              `chunk_attention` (more than 16 tokens) and `index_scores` (at least 64).
   sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
   ascend      Huawei Ascend dispatch point: needs CANN 9.2, not built.
 """

@@ -263,6 +263,30 @@ def test_index_scores_decode_falls_back():
                                   np.asarray(kernels_xla.index_scores(*args)))
 
 
+def test_prefill_kernels_preferred_on_prefill_chunks_only():
+    """chunk_attention and index_scores are chosen by platform preference (not opt-in) for
+    prefill chunks at `mini`'s shapes, and decline decode-sized chunks."""
+    from custom_calls.chunk_attention import chunk_attention_mgpu
+    from custom_calls.indexer import index_scores_mgpu
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+
+    def chunk(s, n):
+        return ((sd((1, s, 32, 512), bf), sd((1, s, 512), bf), None, None,
+                 sd((1, 128, 512), bf), None, None),
+                dict(window=128, extra_keys=sd((1, n, 512), bf)))
+
+    def index(t):
+        return sd((1, t, 32, 128), bf), sd((1, t, 32), jnp.float32), sd((1, 1024, 128), bf)
+    for fn in (chunk_attention_mgpu, index_scores_mgpu):
+        assert not getattr(fn, "opt_in", False)
+    args, kw = chunk(4096, 1024)
+    assert chunk_attention_mgpu.prefers(*args, **kw)
+    args, kw = chunk(8, 1024)
+    assert not chunk_attention_mgpu.prefers(*args, **kw)
+    assert index_scores_mgpu.prefers(*index(4096)) and not index_scores_mgpu.prefers(*index(1))
+
+
 def test_kernels_lower_for_cuda():
     """Pallas -> Mosaic GPU lowering (layouts, transforms, shared memory) runs on any host."""
     sd = jax.ShapeDtypeStruct
