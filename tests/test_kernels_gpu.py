@@ -417,6 +417,15 @@ def test_decode_gemm_benchmark_smoke(tmp_path):
             assert all(w % cfg["block_n"] == 0 for w in widths)
 
 
+def test_prefill_kernels_benchmark_smoke(tmp_path):
+    """benchmarks/prefill_kernels.py end to end on the tiny preset (both arms XLA on a CPU)."""
+    from benchmarks import prefill_kernels
+    rows = prefill_kernels.main(["--preset", "tiny", "--shapes", "1x32", "--peak-n", "128",
+                                 "--out", str(tmp_path / "pk.json")])["rows"]
+    assert [r["arm"] for r in rows] == ["kernels", "xla"]
+    assert rows[0]["logits_sum"] == rows[1]["logits_sum"] and all(r["ms"] > 0 for r in rows)
+
+
 def test_linear_many_rejects_mismatched_weights():
     """A weight whose rows are not the input's width is named in the error (XLA and kernel
     paths alike: the check is before the registry call)."""
