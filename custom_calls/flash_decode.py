@@ -17,6 +17,12 @@ d/2 output columns, so the fp32 accumulator is 64 x d/2 per warpgroup). It write
 the log2-sum-exp; XLA then merges the splits together with the sink logit:
 out = sum_s w_s o_s / (sum_s w_s + 2^(sink2 - M)), w_s = 2^(lse_s - M).
 
+Prefill tiles (`chunk_attention`, `tokens_per_cta` P > 1, one split): a CTA serves P
+consecutive tokens of one key list, their P x H query rows in one 64-row wgmma tile (each
+row takes its token's bias row), the softmax starts from the sink logit (no merge after
+it), and with `skip_masked` the CTA visits only the key blocks where some of its tokens'
+bias is finite (`live_blocks`: a count and the block indices, read by the producer).
+
 Geometry (`supported_geometry`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H a multiple
 of 8 and <= 64. Keys [G, Lk, d] need Lk <= 8 or a multiple of 8 (the tiled TMA layout);
 bias [T, L] with L a multiple of block_k * splits and L >= Lk: key rows past Lk are read as
