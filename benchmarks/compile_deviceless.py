@@ -67,7 +67,7 @@ def compile_model(name: str, sharding, sinkhorn_iters: int | None, batch: int, c
     """Rows {model, program, lower_s, compile_s, fusions} of one model's two programs."""
     import jax
     import jax.numpy as jnp
-    from benchmarks import lean
+    from benchmarks import hlo_count, lean
     dtype = jnp.bfloat16
     if name == "default":
         import deepinfer_fn as di
@@ -100,8 +100,11 @@ def compile_model(name: str, sharding, sinkhorn_iters: int | None, batch: int, c
                                                              *on(sharding, rest))
             t1 = time.perf_counter()
             compiled = lowered.compile()
-            row.update(lower_s=t1 - t0, compile_s=time.perf_counter() - t1,
-                       fusions=fusions(compiled.as_text()))
+            compile_s = time.perf_counter() - t1
+            text = compiled.as_text()
+            row.update(lower_s=t1 - t0, compile_s=compile_s, fusions=fusions(text),
+                       kernels=hlo_count.count_text(text)["kernels"],
+                       kernels_env=os.environ.get("DEEPINFER_KERNELS", ""))
         except Exception as e:  # noqa: BLE001  (one program failing must not lose the others)
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
         print(json.dumps(row), flush=True)
