@@ -135,6 +135,13 @@ def check(name, got, want, tol=1e-2, extra=None):
     return ok
 
 
+def failed(where: str, e: Exception):
+    """Log an exception of one case and keep it (with its traceback) in the results."""
+    log(f"!! {where} failed: {type(e).__name__}: {str(e)[:1500]}")
+    RESULTS["errors"].append({"where": where, "error": f"{type(e).__name__}: {e}"[:4000],
+                              "traceback": traceback.format_exc()[-6000:]})
+
+
 def guarded(label):
     def deco(fn):
         @functools.wraps(fn)
@@ -143,10 +150,7 @@ def guarded(label):
             try:
                 return fn(*a, **k)
             except Exception as e:  # noqa: BLE001
-                tb = traceback.format_exc()
-                log(f"!! {label} failed: {type(e).__name__}: {str(e)[:2000]}")
-                RESULTS["errors"].append({"where": label, "error": f"{type(e).__name__}: {e}"[:4000],
-                                          "traceback": tb[-6000:]})
+                failed(label, e)
             finally:
                 log(f"  [{label}: {time.time() - t0:.1f}s]")
         return run
@@ -273,9 +277,7 @@ def grouped_case(tokens, which, variants, shipped, nsets):
                     continue
             r = bench(fn, sets)
         except Exception as e:  # noqa: BLE001
-            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
-            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
-                                      "traceback": traceback.format_exc()[-6000:]})
+            failed(f"{label} {name}", e)
             continue
         eff = None if name == "xla" or name.startswith("jax_") else \
             {**gmm_mod.default_blocks(m, k, n, EXPERTS), **cfg}
@@ -345,9 +347,7 @@ def sparse_case(b, variants, n_rows=4096, nsets=3):
                     continue
             r = bench(fn, sets)
         except Exception as e:  # noqa: BLE001
-            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
-            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
-                                      "traceback": traceback.format_exc()[-6000:]})
+            failed(f"{label} {name}", e)
             continue
         rec = {"op": "sparse_attention", "case": f"B={b}", "impl": name, "B": b, "S": s, "H": h,
                "d": d, "Wk": wk, "K": k, "N": n_rows, "config": cfg, "flops": flops,
@@ -429,9 +429,7 @@ def chunk_case(b, s, layer, variants, nsets=2):
                     continue
             r = bench(call(fn), pack)
         except Exception as e:  # noqa: BLE001
-            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
-            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
-                                      "traceback": traceback.format_exc()[-6000:]})
+            failed(f"{label} {name}", e)
             continue
         rec = {"op": "chunk_attention", "case": f"{layer} {b}x{s}", "impl": name, "B": b, "S": s,
                **{k: c[k] for k in ("h", "d", "window")}, "config": cfg, "flops": flops,
@@ -469,9 +467,7 @@ def index_case(b, t, n, nsets=2):
                     continue
             r = bench(fn, sets)
         except Exception as e:  # noqa: BLE001
-            log(f"  {name}: FAILED {type(e).__name__}: {str(e)[:1500]}")
-            RESULTS["errors"].append({"where": f"{label} {name}", "error": f"{type(e).__name__}: {e}"[:4000],
-                                      "traceback": traceback.format_exc()[-6000:]})
+            failed(f"{label} {name}", e)
             continue
         rec = {"op": "index_scores", "case": f"{b}x{t} N={n}", "impl": name, "B": b, "T": t,
                "N": n, "H": h, "d": d, "config": {}, "flops": flops, "bytes": bytes_, **r,

@@ -230,12 +230,25 @@ def test_chunk_attention_unsupported_falls_back():
     rng = np.random.default_rng(0)
     per_token = dict(extra_keys=jnp.asarray(rng.standard_normal((1, 20, 3, 128)), jnp.bfloat16),
                      extra_bias=jnp.zeros((1, 20, 3), jnp.float32))
-    for a, kw in ((args, per_token), (tuple(x[:, :8] if i in (0, 1) else x
-                                            for i, x in enumerate(args)), {})):
+    decode_sized, _ = _chunk(6, 1, 8, 16, 128, 8, 8, 0, [4], [8])
+    for a, kw in ((args, per_token), (decode_sized, {})):
         fn = functools.partial(chunk_attention_mgpu, window=8, **kw)
         assert pallas_kernels(fn, *a) == []
         np.testing.assert_array_equal(np.asarray(fn(*a), np.float32), np.asarray(
             kernels_xla.chunk_attention(*a, window=8, **kw), np.float32))
+
+
+def test_flash_decode_rejects_tokens_per_cta_that_do_not_fit():
+    """Several tokens a CTA need P x H <= 64 rows, P dividing tokens_per_key, one split."""
+    from custom_calls.flash_decode import flash_decode
+    q = jnp.zeros((16, 32, 128), jnp.bfloat16)
+    keys = jnp.zeros((2, 128, 128), jnp.bfloat16)
+    bias = jnp.zeros((16, 128), jnp.float32)
+    sinks = jnp.zeros((32,), jnp.float32)
+    for p, splits in ((4, 1), (3, 1), (2, 2)):     # 128 rows; 3 does not divide 8; 2 splits
+        with pytest.raises(ValueError, match="tokens_per_cta"):
+            flash_decode(q, keys, bias, sinks, tokens_per_key=8, splits=splits,
+                         tokens_per_cta=p, interpret=True)
 
 
 @pytest.mark.parametrize("b,t,h,d,n", [(2, 70, 32, 128, 100), (1, 64, 16, 64, 64)])
