@@ -37,7 +37,7 @@ from deepinfer_fn.state import init_state
 
 # Mosaic first: the project's kernels carry names such as decode_gemm or grouped_gemm.
 KINDS = (("mosaic", ("mosaic", "mgpu", "pallas", "decode_gemm", "grouped_gemm", "mhc_pre",
-                     "mhc_post", "mhc_sinkhorn", "flash_decode", "compressor_decode")),
+                     "mhc_post", "mhc_sinkhorn", "mhc_gates", "flash_decode", "compressor_decode")),
          ("gemm", ("gemm", "cublas", "cutlass", "sm90_xmma", "matmul", "dot")),
          ("sort/topk", ("sort", "topk", "top_k")),
          ("copy/dus", ("copy", "dynamic_update_slice", "dynamic-update-slice", "memcpy",

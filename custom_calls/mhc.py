@@ -21,6 +21,11 @@ Pre side, one CTA (one warpgroup) per block of 64 tokens, two pipelined passes o
 Post side, grid (token blocks, column splits), a pipelined pass over its columns:
 X'_k = post_k y + sum_j comb[j,k] X_j with the reference's bf16 roundings (comb and post
 rounded to bf16, the product and the mix each rounded, then their sum).
+Hybrid pre side (decode steps, short prompts): XLA projects the streams and writes the
+affine-mapped gate logits in a token-minor layout; one small kernel (`mhc_gates`, the Sinkhorn
+kernel with the sigmoids) turns them into the gates^T of the other paths; XLA collapses and
+normalises. XLA's post side reads the gates as per-token slices of that layout, so neither
+side transposes them in a kernel of its own.
 
 Supported: bf16 streams, n * (n + 2) <= 32 (n = 4: 24), D a multiple of 64. Anything else
 falls back to the XLA reference. Tokens need not fill the last block: loads past N read
@@ -40,8 +45,7 @@ from jax import lax
 
 from custom_calls._common import lowered_once, on_hopper, round_up
 from deepinfer_fn.model.common import rms_norm
-from deepinfer_fn.model.mhc_math import (collapse, expand, mhc_gate_logits, mhc_weights,
-                                         sinkhorn)
+from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights, sinkhorn
 
 TOK = 64        # tokens a CTA: the wgmma M
 COLS = 64       # stream columns a pipeline step (128 bytes of bf16: one swizzle atom)
@@ -162,39 +166,53 @@ def _sinkhorn_vectors(m, n: int, iters: int, eps: float):
     return unflat(p)
 
 
-def _sinkhorn_call(lt, *, n: int, iters: int, eps: float):
+def _sinkhorn_call(lt, *, n: int, iters: int, eps: float, gates: bool = False):
     """lt [n*n, blocks * 64] fp32 (logits^T, token-minor) -> P^T, same layout; one CTA a
-    64-token block, each token's n x n values as token vectors in registers."""
+    64-token block, each token's n x n values as token vectors in registers.
+
+    gates: lt holds all n * (n + 2) affine-mapped gate logits instead (rows pre 0:n, post
+    n:2n, comb 2n:); the output is the gates in that layout: sigmoid + eps, 2 sigmoid and the
+    Sinkhorn of the comb rows."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    nn, width = lt.shape
+    rows, width = lt.shape
+    first = 2 * n if gates else 0
+    assert rows == first + n * n, (lt.shape, n, gates)
     row_l = plgpu.Layout.WGMMA.reduce(1)
 
     def body(l_ref, o_ref, l_smem, o_smem, bar):
         blk = lax.axis_index("b")
         plgpu.copy_gmem_to_smem(l_ref.at[:, pl.ds(blk * TOK, TOK)], l_smem, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-        m = [[plgpu.load(l_smem.at[n * j + k], layout=row_l) for k in range(n)]
-             for j in range(n)]
+        load = lambda r: plgpu.load(l_smem.at[r], layout=row_l)
+        m = [[load(first + n * j + k) for k in range(n)] for j in range(n)]
         p = _sinkhorn_vectors(m, n, iters, eps)
         for j in range(n):
             for k in range(n):
-                o_smem.at[n * j + k][...] = p[j][k]
+                o_smem.at[first + n * j + k][...] = p[j][k]
+        if gates:
+            for j in range(n):
+                o_smem.at[j][...] = _sigmoid(load(j)) + eps
+                o_smem.at[n + j][...] = 2.0 * _sigmoid(load(n + j))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[:, pl.ds(blk * TOK, TOK)])
         plgpu.wait_smem_to_gmem(0)
 
     def mhc_sinkhorn(l_ref, o_ref):
         pl.run_scoped(lambda *s: body(l_ref, o_ref, *s),
-                      plgpu.SMEM((nn, TOK), jnp.float32), plgpu.SMEM((nn, TOK), jnp.float32),
+                      plgpu.SMEM((rows, TOK), jnp.float32), plgpu.SMEM((rows, TOK), jnp.float32),
                       plgpu.Barrier(num_barriers=1))
 
-    return plgpu.kernel(mhc_sinkhorn, out_type=jax.ShapeDtypeStruct((nn, width), jnp.float32),
+    def mhc_gates(l_ref, o_ref):        # the kernel's name in profiles
+        mhc_sinkhorn(l_ref, o_ref)
+
+    return plgpu.kernel(mhc_gates if gates else mhc_sinkhorn,
+                        out_type=jax.ShapeDtypeStruct((rows, width), jnp.float32),
                         grid=(width // TOK,), grid_names=("b",))(lt)
 
 
-_sinkhorn_kernel = lowered_once(_sinkhorn_call, "n", "iters", "eps")
+_sinkhorn_kernel = lowered_once(_sinkhorn_call, "n", "iters", "eps", "gates")
 
 
 def sinkhorn_layout(flat: jax.Array) -> jax.Array:
@@ -498,13 +516,32 @@ def choose_mix_splits(nblk: int, nk: int, num_sms: int = NUM_SMS) -> int:
 
 # Token count from which wide streams take the split-D pair of kernels: below it (decode) the
 # pair's partial sums cost more latency than XLA's projection, and the pre side runs in XLA
-# with the Sinkhorn kernel ("hybrid").
+# with the gates kernel ("hybrid").
 SPLIT_MIN_TOKENS = 2048
+
+
+def _hybrid_gates(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float,
+                  norm_eps: float, interpret: bool):
+    """The pre side's gates in XLA + one kernel: gates^T [n * (n + 2), N rounded up to 64]
+    (pre 0:n, post n:2n, comb 2n:), as the other paths' kernels write them.
+
+    The projection reads the streams as they are and the RMS factor scales its n_out columns
+    after it (the reference scales the n * D inputs before: equal up to fp32 rounding), so
+    the normalised streams are never written out; the affine map writes the logits in the
+    kernel's layout, and the kernel takes the sigmoids and the Sinkhorn."""
+    ntok = streams.shape[0]
+    x = streams.reshape(ntok, -1).astype(jnp.float32)
+    inv_rms = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+    u = jnp.matmul(x, fn.astype(jnp.float32), precision=lax.Precision.HIGHEST) * inv_rms
+    gate_scale = jnp.concatenate([jnp.broadcast_to(scale[i], (w,))
+                                  for i, w in enumerate((n, n, n * n))])
+    lt = lax.optimization_barrier(sinkhorn_layout(gate_scale * u + base))
+    return _sinkhorn_kernel(lt, n=n, iters=iters, eps=hc_eps, gates=True, interpret=interpret)
 
 
 def choose_pre_path(ntok: int, n: int, d: int) -> str:
     """"one" (one kernel: narrow streams, many tokens), "split" (two kernels: wide streams,
-    many tokens) or "hybrid" (XLA, Sinkhorn kernel: fewer tokens)."""
+    many tokens) or "hybrid" (XLA and the gates kernel: fewer tokens)."""
     if n * d <= PREFER_MAX_STREAM_WIDTH:
         return "one" if ntok >= ONE_KERNEL_MIN_TOKENS else "hybrid"
     return "split" if ntok >= SPLIT_MIN_TOKENS else "hybrid"
@@ -523,17 +560,14 @@ def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: f
         return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     ntok, n, d = streams.shape
     path = path or choose_pre_path(ntok, n, d)
-    if path == "hybrid":
-        # The logits leave the affine map's fusion already in the kernel's layout.
-        pre, post, lt = mhc_gate_logits(streams, fn, base, scale, n=n, hc_eps=hc_eps,
-                                        norm_eps=norm_eps, logits_layout=sinkhorn_layout)
-        comb = sinkhorn_from_layout(lt, ntok, n=n, iters=iters, eps=hc_eps,
-                                    interpret=interpret)
-        return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     x2 = _pad_tokens(streams.reshape(ntok, n * d))
     nblk, nk = -(-ntok // TOK), d // COLS
     base, scale = base.astype(jnp.float32), scale.astype(jnp.float32)
-    if path == "one":
+    if path == "hybrid":
+        gt = _hybrid_gates(streams, fn, base, scale, n=n, iters=iters, hc_eps=hc_eps,
+                           norm_eps=norm_eps, interpret=interpret)
+        h = rms_norm(collapse(streams, gt[:n, :ntok].T), norm_weight, norm_eps)
+    elif path == "one":
         h, gt = _pre_kernel(x2, prepare_fn(fn), norm_weight, base, scale, n=n, iters=iters,
                             hc_eps=hc_eps, norm_eps=norm_eps, stages=stages,
                             interpret=interpret)
@@ -550,7 +584,8 @@ def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: f
                              interpret=interpret)
     else:
         raise ValueError(f"mhc_pre_mgpu: path {path!r} is not one of 'one', 'split', 'hybrid'")
-    # Transposed back here; mhc_post_mgpu transposes again, and XLA cancels the pair.
+    # Transposed back here; mhc_post_mgpu transposes again, and XLA cancels the pair (the XLA
+    # post side reads per-token slices, which need no transpose either).
     post = gt[n:2 * n, :ntok].T
     comb = gt[2 * n:, :ntok].T.reshape(ntok, n, n)
     return h[:ntok], post, comb

@@ -289,3 +289,32 @@ def test_expert_counts_and_inverse_permutation(n):
     rows = rng.standard_normal((n, 3)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(experts.unsort(jnp.asarray(rows), jnp.asarray(order))),
                                   rows[np.argsort(order)])
+
+
+def test_mhc_collapse_and_expand_roundings_bf16():
+    """bf16 streams: collapse and expand round where the spec's matmul-in-the-stream-dtype
+    does (§2.3 step 7), summing over j in stream order; against numpy with ml_dtypes."""
+    bf16 = jnp.bfloat16
+    r = lambda a: np.asarray(a, np.float32).astype(bf16).astype(np.float32)
+    rng = np.random.default_rng(7)
+    n, d = 4, 16
+    x = r(rng.standard_normal((3, n, d)))
+    y = r(rng.standard_normal((3, d)))
+    pre = rng.uniform(0.1, 1.0, (3, n)).astype(np.float32)
+    post = rng.uniform(0.1, 2.0, (3, n)).astype(np.float32)
+    comb = rng.uniform(0.0, 1.0, (3, n, n)).astype(np.float32)
+    h = np.zeros((3, d), np.float32)
+    for j in range(n):
+        h = h + pre[:, j, None] * x[:, j]
+    got = mhc.collapse(jnp.asarray(x, bf16), jnp.asarray(pre))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), r(h))
+    want = np.zeros((3, n, d), np.float32)
+    for k in range(n):
+        mixed = np.zeros((3, d), np.float32)
+        for j in range(n):
+            mixed = mixed + r(comb[:, j, k])[:, None] * x[:, j]
+        want[:, k] = r(r(r(post[:, k])[:, None] * y) + r(mixed))
+    got = mhc.expand(jnp.asarray(x, bf16), jnp.asarray(y, bf16), jnp.asarray(post),
+                     jnp.asarray(comb))
+    assert got.dtype == bf16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)

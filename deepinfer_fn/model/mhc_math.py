@@ -20,31 +20,14 @@ def stream_logits(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     return jnp.matmul(z, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
-def _slices(x: jax.Array, axis: int) -> list[jax.Array]:
-    """The entries of a small static axis as separate arrays (the axis kept, size 1)."""
-    return [jax.lax.index_in_dim(x, i, axis, keepdims=True) for i in range(x.shape[axis])]
-
-
-def small_sum(x: jax.Array, axis: int) -> jax.Array:
-    """Sum over a small static axis (n = hc_mult) as explicit adds, keepdims.
-
-    A matmul or reduction over n = 4 is a kernel of its own on a GPU (collapse and expand were
-    cuBLAS calls); the adds fuse with their neighbours."""
-    parts = _slices(x, axis)
-    out = parts[0]
-    for p in parts[1:]:
-        out = out + p
-    return out
-
-
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax, then alternate column/row normalisation, ending on columns (§2.3 step 5).
 
     logits: [..., n, n] (row j, column k) -> P with columns summing to ~1.
     Every normalisation is written over the last axis, of P or of its transpose (a column
     normalisation of P is a row normalisation of P^T): XLA:GPU fuses the whole unrolled chain
-    into one kernel either way, and analyses this form faster. The explicit-adds form
-    (`small_sum`) splits into two GPU kernels per iteration instead of fusing.
+    into one kernel either way, and analyses this form faster. Sums written as explicit
+    adds of slices split into two GPU kernels per iteration instead of fusing.
     """
     def rows(m):
         return m / (m.sum(axis=-1, keepdims=True) + eps)
@@ -62,13 +45,9 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.swapaxes(t, -1, -2))
 
 
-def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps: float,
-                    logits_layout=None):
+def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps: float):
     """(pre [..., n], post [..., n], Sinkhorn logits [..., n, n]) of one mHC module, fp32
-    (§2.3 steps 1-4).
-
-    logits_layout: if given, maps the logits [..., n*n] to the array returned in their place
-    (a kernel's input layout), inside the same fusion as the affine map."""
+    (§2.3 steps 1-4)."""
     u = stream_logits(streams, fn, norm_eps)
     base = base.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
@@ -77,10 +56,7 @@ def mhc_gate_logits(streams, fn, base, scale, *, n: int, hc_eps: float, norm_eps
     # The barrier keeps the affine map with the projection's reduction: fused into the
     # Sinkhorn's Triton kernel instead, it needs the layer's slice of the stacked base and
     # scale as kernels of their own (two per module inside a scanned layer group).
-    comb_logits = scale[2] * u[..., 2 * n:] + base[2 * n:]
-    if logits_layout is not None:
-        return pre, post, jax.lax.optimization_barrier(logits_layout(comb_logits))
-    comb_logits = jax.lax.optimization_barrier(comb_logits)
+    comb_logits = jax.lax.optimization_barrier(scale[2] * u[..., 2 * n:] + base[2 * n:])
     return pre, post, comb_logits.reshape(*u.shape[:-1], n, n)
 
 
@@ -92,9 +68,15 @@ def mhc_weights(streams, fn, base, scale, *, n: int, iters: int, hc_eps: float, 
 
 
 def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
-    """h = sum_j pre_j X_j in fp32, cast back to the stream dtype: [..., n, D] -> [..., D]."""
-    weighted = pre[..., None] * streams.astype(jnp.float32)          # [..., n, D]
-    return small_sum(weighted, -2)[..., 0, :].astype(streams.dtype)
+    """h = sum_j pre_j X_j in fp32, cast back to the stream dtype: [..., n, D] -> [..., D].
+
+    Summed over j as explicit adds of per-stream terms (the gates as [...] slices, as in
+    `expand`)."""
+    x = streams.astype(jnp.float32)
+    h = pre[..., 0, None] * x[..., 0, :]
+    for j in range(1, streams.shape[-2]):
+        h = h + pre[..., j, None] * x[..., j, :]
+    return h.astype(streams.dtype)
 
 
 def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
@@ -103,11 +85,19 @@ def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -
     The mix is fp32 products of operands rounded to the stream dtype (as a matmul in that
     dtype with fp32 accumulation), summed over j with explicit adds."""
     dtype = streams.dtype
+    n = streams.shape[-2]
     fed = lambda a: a.astype(dtype).astype(jnp.float32)
-    # [..., j, k, 1] * [..., j, 1, D] summed over j -> [..., k, D]
-    mixed = small_sum(fed(comb)[..., None] * fed(streams)[..., :, None, :], -3)[..., 0, :, :]
-    out = post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)
-    return out.astype(dtype)
+    # Per (j, k) scalars of comb and post, each a [...] slice: a gate array computed in
+    # another layout (a kernel's token-minor output) is then read in place by the one fused
+    # loop, where whole-array broadcasts made XLA:GPU transpose it in kernels of their own.
+    x = [fed(streams[..., j, :]) for j in range(n)]
+    outs = []
+    for k in range(n):
+        mixed = fed(comb[..., 0, k])[..., None] * x[0]
+        for j in range(1, n):
+            mixed = mixed + fed(comb[..., j, k])[..., None] * x[j]
+        outs.append(post[..., k].astype(dtype)[..., None] * y + mixed.astype(dtype))
+    return jnp.stack(outs, axis=-2).astype(dtype)
 
 
 def head_collapse(streams, fn, base, scale, *, hc_eps: float, norm_eps: float) -> jax.Array:
