@@ -291,9 +291,13 @@ def test_expert_counts_and_inverse_permutation(n):
                                   rows[np.argsort(order)])
 
 
-def test_mhc_collapse_and_expand_roundings_bf16():
+@pytest.mark.parametrize("slices_max", [0, 64])
+def test_mhc_collapse_and_expand_roundings_bf16(monkeypatch, slices_max):
     """bf16 streams: collapse and expand round where the spec's matmul-in-the-stream-dtype
-    does (§2.3 step 7), summing over j in stream order; against numpy with ml_dtypes."""
+    does (§2.3 step 7), summing over j in stream order; against numpy with ml_dtypes. Both
+    forms of expand (per-token gate slices, whole-array broadcast)."""
+    from deepinfer_fn.model import mhc_math
+    monkeypatch.setattr(mhc_math, "EXPAND_SLICES_MAX_TOKENS", slices_max)
     bf16 = jnp.bfloat16
     r = lambda a: np.asarray(a, np.float32).astype(bf16).astype(np.float32)
     rng = np.random.default_rng(7)

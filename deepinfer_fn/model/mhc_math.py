@@ -7,6 +7,8 @@ model-facing layer on top.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -79,25 +81,39 @@ def collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
     return h.astype(streams.dtype)
 
 
+# Token count up to which `expand` reads the gates as per-token slices (decode steps).
+EXPAND_SLICES_MAX_TOKENS = 64
+
+
 def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k y + sum_j P[j,k] X_j  (P^T X, not P X: §2.3 step 7, §4.13).
 
     The mix is fp32 products of operands rounded to the stream dtype (as a matmul in that
-    dtype with fp32 accumulation), summed over j with explicit adds."""
+    dtype with fp32 accumulation), summed over j with explicit adds in stream order.
+
+    Two equal forms (same operations, same order): up to EXPAND_SLICES_MAX_TOKENS tokens the
+    gates are read as per-(j, k) [...] slices, so gates computed in another layout (the mHC
+    kernels' token-minor gates^T) are read in place by one fused loop, where whole-array
+    broadcasts made XLA:GPU transpose them in kernels of their own; above it, one broadcast
+    over [..., j, k, D], which XLA:GPU fuses without fp32 copies of the streams."""
     dtype = streams.dtype
-    n = streams.shape[-2]
+    lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
     fed = lambda a: a.astype(dtype).astype(jnp.float32)
-    # Per (j, k) scalars of comb and post, each a [...] slice: a gate array computed in
-    # another layout (a kernel's token-minor output) is then read in place by the one fused
-    # loop, where whole-array broadcasts made XLA:GPU transpose it in kernels of their own.
-    x = [fed(streams[..., j, :]) for j in range(n)]
-    outs = []
-    for k in range(n):
-        mixed = fed(comb[..., 0, k])[..., None] * x[0]
-        for j in range(1, n):
-            mixed = mixed + fed(comb[..., j, k])[..., None] * x[j]
-        outs.append(post[..., k].astype(dtype)[..., None] * y + mixed.astype(dtype))
-    return jnp.stack(outs, axis=-2).astype(dtype)
+    if math.prod(lead) <= EXPAND_SLICES_MAX_TOKENS:
+        x = [fed(streams[..., j, :]) for j in range(n)]
+        outs = []
+        for k in range(n):
+            mixed = fed(comb[..., 0, k])[..., None] * x[0]
+            for j in range(1, n):
+                mixed = mixed + fed(comb[..., j, k])[..., None] * x[j]
+            outs.append(post[..., k].astype(dtype)[..., None] * y + mixed.astype(dtype))
+        return jnp.stack(outs, axis=-2).astype(dtype)
+    terms = fed(comb)[..., None] * fed(streams)[..., :, None, :]      # [..., j, k, D]
+    mixed = terms[..., 0, :, :]
+    for j in range(1, n):
+        mixed = mixed + terms[..., j, :, :]
+    out = post.astype(dtype)[..., None] * y[..., None, :] + mixed.astype(dtype)
+    return out.astype(dtype)
 
 
 def head_collapse(streams, fn, base, scale, *, hc_eps: float, norm_eps: float) -> jax.Array:
