@@ -102,8 +102,9 @@ def compile_model(name: str, sharding, sinkhorn_iters: int | None, batch: int, c
             compiled = lowered.compile()
             compile_s = time.perf_counter() - t1
             text = compiled.as_text()
+            report = hlo_count.count_text(text)
             row.update(lower_s=t1 - t0, compile_s=compile_s, fusions=fusions(text),
-                       kernels=hlo_count.count_text(text)["kernels"],
+                       kernels=report["kernels"], bytes_written=report["bytes_written"],
                        kernels_env=os.environ.get("DEEPINFER_KERNELS", ""))
         except Exception as e:  # noqa: BLE001  (one program failing must not lose the others)
             row["error"] = f"{type(e).__name__}: {e}"[:2000]

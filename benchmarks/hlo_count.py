@@ -12,6 +12,10 @@ entered: a fusion is one kernel. A while body counts `trip count` times (the
 `known_trip_count` XLA writes in its backend_config; unknown: once, flagged per-iteration),
 its condition `trip count + 1` times; a conditional counts its largest branch.
 
+Bytes: `bytes_written` sums the result arrays of every launch (an async start's result, not
+its operands), by source as well: what the kernels write, a device-free lower bound of the
+traffic that points at the passes worth fusing.
+
 Categories: fusion kinds (loop/input/output), gemm (cuBLAS custom calls, Triton and
 XLA:CPU/oneDNN/YNN gemm fusions, unfused `dot`), mosaic (Mosaic GPU/TPU and Pallas Triton
 custom calls), other custom calls, and the unfused opcode for everything else (copy, sort,
@@ -29,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -256,8 +261,47 @@ def source_line(ins: Instr, mod: Module, depth: int = 2) -> str:
     return " <- ".join(keep[:depth]) or "?"
 
 
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,
+               "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _top_level_parts(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape "(a, (b, c), d)" (a plain shape: itself)."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, cur = [], 0, ""
+    for ch in shape[1:-1]:
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        cur += ch
+    return parts + [cur]
+
+
+def output_bytes(ins: Instr) -> int:
+    """Bytes of the arrays an instruction produces (what its kernel writes). An async `-start`
+    op's tuple also holds its operands: only its result counts (the first element of a
+    `copy-start`, the element after the operand tuple of the others)."""
+    shape = ins.text.split(f" {ins.opcode}(", 1)[0]
+    if ins.opcode.endswith("-start"):
+        parts = _top_level_parts(shape)
+        shape = parts[1] if parts[0].strip().startswith("(") and len(parts) > 1 else parts[0]
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * math.prod(int(x) for x in dims.split(",") if x)
+    return total
+
+
 def _walk(mod: Module, comp: str, mult: int, acc, loops: list, depth: int, seen: tuple):
-    """Adds comp's kernels (times mult) to acc = (categories, sources); recurses into control."""
+    """Adds comp's kernels (times mult) to acc = (categories, sources[, bytes by source]);
+    recurses into control."""
     if comp in seen:
         raise ValueError(f"recursive computation {comp}")
     total = 0
@@ -289,7 +333,10 @@ def _walk(mod: Module, comp: str, mult: int, acc, loops: list, depth: int, seen:
             total += _walk(mod, target, mult, acc, loops, depth + 1, seen + (comp,))
         elif _launches(ins):
             acc[0][category(ins)] += mult
-            acc[1][_source(ins, mod)] += mult
+            src = _source(ins, mod)
+            acc[1][src] += mult
+            if len(acc) > 2:
+                acc[2][src] += mult * output_bytes(ins)
             total += 1
     return total
 
@@ -303,13 +350,17 @@ def count_text(text: str, layers: int | None = None, layers_per_iteration: int |
     layer stack), giving per_layer_in_loop = loop body per iteration / layers_per_iteration.
     """
     mod = parse(text)
-    acc = (collections.Counter(), collections.Counter())
+    acc = (collections.Counter(), collections.Counter(), collections.Counter())
     loops: list[Loop] = []
     total = _walk(mod, mod.entry, 1, acc, loops, 0, ())
     out = {
         "kernels": total,
         "by_category": dict(sorted(acc[0].items(), key=lambda kv: -kv[1])),
         "by_source": dict(sorted(acc[1].items(), key=lambda kv: -kv[1])),
+        # Bytes the kernels write (their result arrays, each launch counted): a lower bound
+        # of the program's HBM traffic that needs no device.
+        "bytes_written": sum(acc[2].values()),
+        "bytes_written_by_source": dict(sorted(acc[2].items(), key=lambda kv: -kv[1])),
         "loops": [dataclasses.asdict(lp) for lp in loops],
         "per_iteration_only": any(lp.trip_count is None for lp in loops),
         "hlo_instructions": sum(len(v) for v in mod.computations.values()),

@@ -164,6 +164,22 @@ def test_gpu_text():
     assert r["loops"][0]["trip_count"] == 3 and r["loops"][0]["body_per_iter"] == 4
     assert r["per_layer_in_loop"] == 4 and r["outside_loop"] == 4
     assert r["kernels_per_layer"] == pytest.approx(16 / 3)
+    # bytes written: entry 256 (the async copy's result, not its operand) + 256 (gemm) + 32
+    # (reduce); body x3: 256 + 4 (cuBLAS result + workspace) + 256 (Mosaic) + 4 (counter);
+    # cond x4: 1 (pred)
+    assert r["bytes_written"] == 256 + 256 + 32 + 3 * (260 + 256 + 4) + 4 * 1
+    assert sum(r["bytes_written_by_source"].values()) == r["bytes_written"]
+
+
+def test_output_bytes_of_async_starts():
+    ins = lambda text, op: hlo_count.Instr("x", op, text)
+    fusion_start = ins("((f32[3,2048]{1,0}, s32[]), bf16[1,2048]{1,0}, u32[]) fusion-start(%a, "
+                       "%b), kind=kLoop, calls=%f", "fusion-start")
+    assert hlo_count.output_bytes(fusion_start) == 2 * 2048
+    copy_start = ins("(f32[8,8]{1,0}, f32[8,8]{1,0}, u32[]) copy-start(%x)", "copy-start")
+    assert hlo_count.output_bytes(copy_start) == 256
+    fusion = ins("(s32[1,4096]{1,0}, bf16[2,3]{1,0}) fusion(%p), kind=kLoop", "fusion")
+    assert hlo_count.output_bytes(fusion) == 4 * 4096 + 2 * 6
 
 
 def test_no_entry_is_an_error():
