@@ -560,9 +560,9 @@ def mhc_pre_mgpu(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: f
         return rms_norm(collapse(streams, pre), norm_weight, norm_eps), post, comb
     ntok, n, d = streams.shape
     path = path or choose_pre_path(ntok, n, d)
-    x2 = _pad_tokens(streams.reshape(ntok, n * d))
-    nblk, nk = -(-ntok // TOK), d // COLS
     base, scale = base.astype(jnp.float32), scale.astype(jnp.float32)
+    x2 = _pad_tokens(streams.reshape(ntok, n * d)) if path != "hybrid" else None
+    nblk, nk = -(-ntok // TOK), d // COLS
     if path == "hybrid":
         gt = _hybrid_gates(streams, fn, base, scale, n=n, iters=iters, hc_eps=hc_eps,
                            norm_eps=norm_eps, interpret=interpret)

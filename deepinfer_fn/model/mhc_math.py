@@ -97,7 +97,7 @@ def expand(streams: jax.Array, y: jax.Array, post: jax.Array, comb: jax.Array) -
     broadcasts made XLA:GPU transpose them in kernels of their own; above it, one broadcast
     over [..., j, k, D], which XLA:GPU fuses without fp32 copies of the streams."""
     dtype = streams.dtype
-    lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
+    lead, n = streams.shape[:-2], streams.shape[-2]
     fed = lambda a: a.astype(dtype).astype(jnp.float32)
     if math.prod(lead) <= EXPAND_SLICES_MAX_TOKENS:
         x = [fed(streams[..., j, :]) for j in range(n)]
