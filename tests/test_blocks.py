@@ -291,6 +291,16 @@ def test_expert_counts_and_inverse_permutation(n):
                                   rows[np.argsort(order)])
 
 
+def test_sorted_positions_are_computed_once():
+    """The one-hot ranks leave their computation through an optimization barrier: without it
+    XLA:GPU fused the n x n comparison reduction into the consumers of the unsorted MoE rows
+    (the mHC expand) and recomputed it for every element they wrote."""
+    from deepinfer_fn.model import experts
+    flat = jnp.arange(12, dtype=jnp.int32) % 5
+    jaxpr = jax.make_jaxpr(experts.sorted_positions)(flat, jnp.argsort(flat, stable=True))
+    assert any(e.primitive.name == "optimization_barrier" for e in jaxpr.jaxpr.eqns)
+
+
 @pytest.mark.parametrize("slices_max", [0, 64])
 def test_mhc_collapse_and_expand_roundings_bf16(monkeypatch, slices_max):
     """bf16 streams: collapse and expand round where the spec's matmul-in-the-stream-dtype

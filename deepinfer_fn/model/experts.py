@@ -62,7 +62,10 @@ def sorted_positions(flat, order):
     n = flat.shape[0]
     if n <= ONE_HOT_MAX:
         key = flat * n + jnp.arange(n, dtype=flat.dtype)
-        return (key[None, :] < key[:, None]).sum(1, dtype=order.dtype)
+        ranks = (key[None, :] < key[:, None]).sum(1, dtype=order.dtype)
+        # Computed once: XLA:GPU otherwise fuses the n x n reduction into the consumers of
+        # the gathered rows and recomputes it for every element they write.
+        return jax.lax.optimization_barrier(ranks)
     return inverse_permutation(order)
 
 
