@@ -4,6 +4,7 @@ one chunk from an empty state, compile seconds and the median of 5 runs, against
 matmul peak measured in the same run (FLOPs as `lean.py` counts them: matmuls + attention).
 
     python benchmarks/prefill_kernels.py --shapes 1x4096,8x512 --out FILE.json
+    python benchmarks/prefill_kernels.py --shapes 1x4096 --arms kernels --out FILE.json
     python benchmarks/prefill_kernels.py --preset tiny --shapes 1x64 --out FILE.json   # CPU
 
 On a machine without an sm_90 GPU the "kernels" arm falls back to XLA (both arms equal).
@@ -57,8 +58,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="mini")
     ap.add_argument("--shapes", default="1x4096,8x512", help="BxS prefill chunks")
     ap.add_argument("--peak-n", type=int, default=8192, help="matmul size of the peak measurement")
+    ap.add_argument("--arms", default="kernels,xla", help="kernels (Mosaic GPU), xla, or both")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    impls = {"kernels": "mosaic_gpu", "xla": "xla"}
+    arms = [impls[a] for a in args.arms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cfg = di.ModelConfig.preset(args.preset)
     peak = lean.matmul_peak(jax, args.peak_n, 20)
@@ -66,7 +70,7 @@ def main(argv=None) -> dict:
     token_map = lean.token_map_for(cfg)[1]
     rows = []
     result = dict(device=jax.devices()[0].device_kind, command=" ".join(sys.argv), rows=rows)
-    for impl in ("mosaic_gpu", "xla"):
+    for impl in arms:
         for batch, tokens in shapes:
             rows.append(run_arm(cfg, params, token_map, impl, batch, tokens, peak))
             print(json.dumps(rows[-1]), flush=True)
