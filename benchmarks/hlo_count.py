@@ -82,6 +82,7 @@ class Module:
     frames: dict[int, tuple[str, ...]]   # stack_frame_id -> files of its call stack, innermost first
     frame_lines: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # the same stacks as "file:line"
+    roots: dict[str, str] = dataclasses.field(default_factory=dict)   # computation -> ROOT name
 
 
 def _opcode(rhs: str) -> str:
@@ -104,6 +105,7 @@ def _opcode(rhs: str) -> str:
 def parse(text: str) -> Module:
     """Computations (name -> instructions), the entry's name, and the stack-frame files."""
     comps: dict[str, list[Instr]] = {}
+    roots: dict[str, str] = {}
     entry = None
     current = None
     section = None
@@ -147,6 +149,8 @@ def parse(text: str) -> Module:
         m = _INSTR.match(line)
         if m:
             comps[current].append(Instr(m.group(2), _opcode(m.group(3)), m.group(3)))
+            if m.group(1):
+                roots[current] = m.group(2)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     frames, frame_lines = {}, {}
@@ -159,7 +163,7 @@ def parse(text: str) -> Module:
             f = parent - 1 if 0 < parent - 1 < f else 0
         frames[fid] = tuple(chain)
         frame_lines[fid] = tuple(lines)
-    return Module(comps, entry, frames, frame_lines)
+    return Module(comps, entry, frames, frame_lines, roots)
 
 
 def _backend_config(ins: Instr) -> dict:
@@ -299,6 +303,28 @@ def output_bytes(ins: Instr) -> int:
     return total
 
 
+# In-place roots of a fusion (XLA:GPU emits them into their operand's buffer): the operand
+# index of what they write.
+_IN_PLACE_UPDATE = {"dynamic-update-slice": 1, "scatter": 2}
+
+
+def written_bytes(ins: Instr, mod: Module) -> int:
+    """`output_bytes`, except for a fusion whose root updates its operand in place (a
+    dynamic-update-slice or a scatter): the bytes of the update it writes (at most the
+    result's)."""
+    comp = ins.attr("calls") if ins.opcode == "fusion" else None
+    body = {i.name: i for i in mod.computations.get(comp, [])} if comp else {}
+    root = body.get(mod.roots.get(comp, ""))
+    if root is None or root.opcode not in _IN_PLACE_UPDATE:
+        return output_bytes(ins)
+    args = root.text.split(f"{root.opcode}(", 1)[1]
+    names = re.findall(r"%([\w.\-$]+)", args.split(")", 1)[0])
+    update = body.get(names[_IN_PLACE_UPDATE[root.opcode]]) if len(names) > 2 else None
+    # (a scatter's updates may hold rows it drops: out-of-bounds indices)
+    return min(output_bytes(update), output_bytes(ins)) if update is not None \
+        else output_bytes(ins)
+
+
 def _walk(mod: Module, comp: str, mult: int, acc, loops: list, depth: int, seen: tuple):
     """Adds comp's kernels (times mult) to acc = (categories, sources[, bytes by source]);
     recurses into control."""
@@ -336,7 +362,7 @@ def _walk(mod: Module, comp: str, mult: int, acc, loops: list, depth: int, seen:
             src = _source(ins, mod)
             acc[1][src] += mult
             if len(acc) > 2:
-                acc[2][src] += mult * output_bytes(ins)
+                acc[2][src] += mult * written_bytes(ins, mod)
             total += 1
     return total
 
@@ -357,8 +383,8 @@ def count_text(text: str, layers: int | None = None, layers_per_iteration: int |
         "kernels": total,
         "by_category": dict(sorted(acc[0].items(), key=lambda kv: -kv[1])),
         "by_source": dict(sorted(acc[1].items(), key=lambda kv: -kv[1])),
-        # Bytes the kernels write (their result arrays, each launch counted): a lower bound
-        # of the program's HBM traffic that needs no device.
+        # Bytes the kernels write (their result arrays, each launch counted; in-place updates
+        # by their update): a lower bound of the program's HBM traffic that needs no device.
         "bytes_written": sum(acc[2].values()),
         "bytes_written_by_source": dict(sorted(acc[2].items(), key=lambda kv: -kv[1])),
         "loops": [dataclasses.asdict(lp) for lp in loops],

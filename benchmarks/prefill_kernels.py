@@ -2,6 +2,8 @@
 on Mosaic GPU against their XLA references), in one process with the same random weights:
 one chunk from an empty state, compile seconds and the median of 5 runs, against the bf16
 matmul peak measured in the same run (FLOPs as `lean.py` counts them: matmuls + attention).
+With both arms, the XLA rows also give the kernels' logits against XLA's (relative L2 error,
+argmax agreement).
 
     python benchmarks/prefill_kernels.py --shapes 1x4096,8x512 --out FILE.json
     python benchmarks/prefill_kernels.py --shapes 1x4096 --arms kernels --out FILE.json
@@ -50,7 +52,15 @@ def run_arm(cfg, params, token_map, impl: str, batch: int, tokens: int, peak: fl
     return dict(arm="kernels" if impl == "mosaic_gpu" else "xla", batch=batch, tokens=tokens,
                 ms=sec * 1e3, peak_ratio=flops["total"] / sec / peak, compile_s=compile_s,
                 peak_flops_per_s=peak,
-                logits_sum=float(jnp.sum(logits.astype(jnp.float32))))
+                logits_sum=float(jnp.sum(logits.astype(jnp.float32)))), logits
+
+
+def agreement(a, b) -> dict:
+    """Relative L2 error of logits a against b and the share of positions with equal argmax."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    rel = jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+    top1 = jnp.mean(jnp.argmax(a, -1) == jnp.argmax(b, -1))
+    return dict(logits_rel_err=float(rel), top1_agreement=float(top1))
 
 
 def main(argv=None) -> dict:
@@ -70,9 +80,15 @@ def main(argv=None) -> dict:
     token_map = lean.token_map_for(cfg)[1]
     rows = []
     result = dict(device=jax.devices()[0].device_kind, command=" ".join(sys.argv), rows=rows)
+    logits = {}
     for impl in arms:
         for batch, tokens in shapes:
-            rows.append(run_arm(cfg, params, token_map, impl, batch, tokens, peak))
+            row, out = run_arm(cfg, params, token_map, impl, batch, tokens, peak)
+            if impl == "mosaic_gpu":
+                logits[batch, tokens] = out       # kept for the XLA arm's comparison
+            elif (batch, tokens) in logits:
+                row.update(agreement(logits.pop((batch, tokens)), out))
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

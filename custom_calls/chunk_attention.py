@@ -14,6 +14,10 @@ Structure:
    the sink folded into the softmax: its output is the result. A CTA visits only the key
    blocks some of its tokens can see (about 3 of the window's and the visible prefix of
    the extra keys).
+3. A raw query (`q_norm_eps`, `q_rope`; `folded_query`): XLA reads it once for the head
+   RMS factors and rewrites only its rotated channels, in place; the kernel multiplies each
+   row's logits by its factor. The reference normalises and rotates the whole query first
+   (two more passes over it); the results agree to bf16 rounding.
 
 Supported (`supported`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H dividing 64 with
 H >= 8, chunks of more than MIN_TOKENS tokens, no extra keys or extra keys shared by the
@@ -23,11 +27,14 @@ and verify chunks, per-token extra keys) is served by the XLA reference.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from custom_calls._common import on_hopper, round_up
 from custom_calls.flash_decode import flash_decode, supported_geometry
 from deepinfer_fn import kernels_xla
+from deepinfer_fn.model.common import head_rms_factor
+from deepinfer_fn.model.rope import apply_rope_in_place
 
 MIN_TOKENS = 16               # shorter chunks (decode, verify) go through the decode kernels
 MAX_KEY_BYTES = 1 << 30       # the per-block key lists this path materialises
@@ -74,24 +81,47 @@ def block_keys(kv, start, n_new, ring_kv, ring_pos, window: int, extra_keys, ext
     return keys, jnp.concatenate(bias, axis=2).reshape(b * sp, length), qb
 
 
+def folded_query(q, q_norm_eps, q_rope):
+    """(q', scale [B,S,H]) with q' * scale = `kernels_xla.prepared_query(q, ...)` up to
+    rounding: the head RMS factor becomes a scale of the row's logits, and only the rotated
+    channels are rewritten (in place), instead of two passes that rewrite the whole query."""
+    scale = head_rms_factor(q, q_norm_eps)[..., 0]
+    # The factor is read before the in-place rotation overwrites q's channels: without the
+    # ordering XLA copies q to keep the factor's input alive.
+    q, scale = jax.lax.optimization_barrier((q, scale))
+    if q_rope is not None:
+        cos, sin = q_rope
+        q = apply_rope_in_place(q, cos[:, :, None], sin[:, :, None])
+    return q, scale
+
+
 def chunk_attention_mgpu(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: int,
-                         extra_keys=None, extra_bias=None, key_floor=None,
-                         interpret: bool = False, block_k: int = 64, stages: int = 2,
-                         skip_masked: bool = True):
+                         extra_keys=None, extra_bias=None, key_floor=None, q_norm_eps=None,
+                         q_rope=None, interpret: bool = False, block_k: int = 64,
+                         stages: int = 2, skip_masked: bool = True):
     """Registry signature (deepinfer_fn.kernels.chunk_attention); unsupported inputs (see
-    `supported`) are served by the XLA reference."""
+    `supported`) are served by the XLA reference. A raw query (q_norm_eps) is rotated in
+    place and its head RMS factor applied to the logits in the kernel (`folded_query`)."""
     if not supported(q, kv, ring_kv, window, extra_keys, block_k):
         return kernels_xla.chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks,
                                            window=window, extra_keys=extra_keys,
-                                           extra_bias=extra_bias, key_floor=key_floor)
+                                           extra_bias=extra_bias, key_floor=key_floor,
+                                           q_norm_eps=q_norm_eps, q_rope=q_rope)
     b, s, h, d = q.shape
+    scale = None
+    if q_norm_eps is not None:
+        q, scale = folded_query(q, q_norm_eps, q_rope)
+    elif q_rope is not None:
+        raise ValueError("chunk_attention: q_rope needs q_norm_eps (a raw query)")
     keys, bias, qb = block_keys(kv, start, n_new, ring_kv, ring_pos, window, extra_keys,
                                 extra_bias, key_floor, block_k)
     sp = bias.shape[0] // b
-    q_p = jnp.pad(q.astype(kv.dtype), ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, sp - s)) + ((0, 0),) * (a.ndim - 2))
+    q_p = pad(q.astype(kv.dtype))
     o = flash_decode(q_p.reshape(b * sp, h, d), keys, bias, sinks, tokens_per_key=qb,
                      splits=1, block_k=block_k, stages=stages, tokens_per_cta=64 // h,
                      skip_masked=skip_masked,
+                     q_scale=None if scale is None else pad(scale).reshape(b * sp, h),
                      interpret=interpret)
     return o.reshape(b, sp, h, d)[:, :s]
 

@@ -52,11 +52,15 @@ def supported_geometry(heads: int, head_dim: int, dtype) -> bool:
             and heads <= MAX_HEADS)
 
 
-def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: int, block_k: int,
-                 stages: int, interpret: bool, qk_split: bool, fold_sink: bool):
+def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: int,
+                 block_k: int, stages: int, interpret: bool, qk_split: bool, fold_sink: bool,
+                 skip: bool, scaled: bool):
     """q [C,R,d] (R = P x H rows: P tokens a CTA, heads fastest), keys [G,Lk,d], bias
     [C,P,L] fp32, sink_rows [64] fp32 (log2 units, row r's head's sink) -> o [C,splits,R,d]
     (keys' dtype) and lse2 [C,splits,64] fp32.
+
+    extra: live (when skip), then row_scale [C,64] fp32 (when scaled): CTA c's row r logits
+    are multiplied by row_scale[c, r] (a query scale folded into the logits).
 
     CTA c reads keys[c // (tokens_per_key / P)]; key rows past Lk read as zeros (TMA fills
     them). fold_sink: the softmax starts from the sink logit (max = sink, sum = 1), so o is
@@ -78,13 +82,15 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
     stages = max(1, min(stages, nblk))
     scale2 = LOG2E / math.sqrt(d)
 
-    skip = bool(live)
+    assert len(extra) == skip + scaled
     assert not skip or splits == 1
 
-    def kernel(q_ref, k_ref, b_ref, s_ref, live_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, b_ref, s_ref, live_ref, r_ref, o_ref, lse_ref, scoped):
         (q_smem, k_smem, b_smem, lse_smem), (k_bar, b_bar, q_bar), consumed, done = scoped[:4]
         if qk_split:
             x_smem, x_bar = scoped[4:6]
+        if scaled:
+            r_smem = scoped[6 if qk_split else 4]
         tok = lax.axis_index("t")
         split = lax.axis_index("split")
         wg = lax.axis_index("wg")
@@ -108,6 +114,9 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
                 l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((_ROWS, dh), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            if scaled:
+                plgpu.barrier_wait(q_bar.at[3])
+                row_scale2 = plgpu.load(r_smem, layout=plgpu.Layout.WGMMA.reduce(1)) * scale2
 
             def step(i, carry):
                 acc, m_i, l_i = carry
@@ -147,7 +156,11 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
                             plgpu.wgmma(acc_ref, q_smem.at[half], k_half.transpose((1, 0)))
                         return acc_ref[...]
                     s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
-                s = s * scale2 + _row_bias(b_smem.at[slot], s.shape)
+                if scaled:
+                    s = s * lax.broadcast_in_dim(row_scale2, s.shape, [0])
+                else:
+                    s = s * scale2
+                s = s + _row_bias(b_smem.at[slot], s.shape)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -204,6 +217,8 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
                                         q_smem.at[half, pl.ds(0, h)], q_bar.at[half])
             if fold_sink:
                 plgpu.copy_gmem_to_smem(s_ref, lse_smem, q_bar.at[2])
+            if scaled:
+                plgpu.copy_gmem_to_smem(r_ref.at[tok], r_smem, q_bar.at[3])
 
             def fetch(i, slot):
                 start = base + (live_ref[tok, 1 + i] if skip else i) * block_k
@@ -247,6 +262,7 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
 
     def flash_decode_split(q_ref, k_ref, b_ref, s_ref, *rest):
         live_ref = rest[0] if skip else None
+        r_ref = rest[int(skip)] if scaled else None
         o_ref, lse_ref = rest[-2:]
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
@@ -257,16 +273,19 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
             plgpu.SMEM((_ROWS,), jnp.float32),            # the sinks, then lse
         )
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=3))
+                plgpu.Barrier(num_barriers=4 if scaled else 3))
         extra = ()
         if qk_split:
             extra += (plgpu.SMEM((_ROWS, block_k), jnp.float32,
                                  transforms=(plgpu.TilingTransform((8, 32)), swizzle)),
                       plgpu.Barrier(num_arrivals=2, num_barriers=2))
+        if scaled:
+            extra += (plgpu.SMEM((_ROWS,), jnp.float32),)
         if interpret:
             extra += (plgpu.SMEM((2, _ROWS, block_k), dtype, transforms=(tiling, swizzle)),)
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, b_ref, s_ref, live_ref, o_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, b_ref, s_ref, live_ref, r_ref, o_ref, lse_ref,
+                                   scoped),
             smem, bars,
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -283,11 +302,11 @@ def _kernel_call(q, keys, bias, sink_rows, *live, tokens_per_key: int, splits: i
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, keys, bias, sink_rows, *live)
+    )(q, keys, bias, sink_rows, *extra)
 
 
 _kernel = lowered_once(_kernel_call, "tokens_per_key", "splits", "block_k", "stages", "qk_split",
-                       "fold_sink")
+                       "fold_sink", "skip", "scaled")
 
 
 def choose_splits(tokens: int, nblk: int, num_sms: int = NUM_SMS) -> int:
@@ -321,9 +340,11 @@ def live_blocks(bias, block_k: int):
 
 def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, block_k: int = 64,
                  stages: int = 2, qk_split: bool = True, tokens_per_cta: int = 1,
-                 skip_masked: bool = False, interpret: bool = False):
+                 skip_masked: bool = False, q_scale=None, interpret: bool = False):
     """q [T,H,d]; keys [G,Lk,d] (K = V, G = T / tokens_per_key); bias [T,L] fp32 additive
     (L a multiple of block_k * splits, -inf past Lk); sinks [H] fp32 -> o [T,H,d] in keys' dtype.
+
+    q_scale [T,H] (optional): each query row's scale, applied to its logits (q scaled by it).
 
     tokens_per_cta P > 1 (P x H <= 64 rows, P dividing T and tokens_per_key; one split): a
     CTA serves P consecutive tokens of one key list, each key block loaded once for all of
@@ -352,11 +373,17 @@ def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, 
     if skip_masked and splits != 1:
         raise ValueError(f"flash_decode: skip_masked needs one split (got {splits})")
     bias = bias.astype(jnp.float32).reshape(t_count // p, p, -1)
-    live = (live_blocks(bias, block_k),) if skip_masked else ()
+    extra = (live_blocks(bias, block_k),) if skip_masked else ()
+    if q_scale is not None:
+        if q_scale.shape != (t_count, h):
+            raise ValueError(f"flash_decode: q_scale{q_scale.shape} must be {(t_count, h)}")
+        rows = q_scale.astype(jnp.float32).reshape(t_count // p, p * h)
+        extra += (jnp.pad(rows, ((0, 0), (0, _ROWS - p * h)), constant_values=1.0),)
     o, lse2 = _kernel(q.astype(dtype).reshape(t_count // p, p * h, d), keys, bias, sink_rows,
-                      *live,
+                      *extra,
                       tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
-                      stages=stages, interpret=interpret, qk_split=qk_split, fold_sink=fold)
+                      stages=stages, interpret=interpret, qk_split=qk_split, fold_sink=fold,
+                      skip=skip_masked, scaled=q_scale is not None)
     if fold:
         return o.reshape(t_count, h, d)
     lse2 = lse2[..., :h]                                     # [T, splits, H]

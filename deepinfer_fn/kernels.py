@@ -85,7 +85,8 @@ def sparse_attention(q, window_kv, window_bias, rows, row_idx, sinks) -> jax.Arr
 
 
 def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: int,
-                    extra_keys=None, extra_bias=None, key_floor=None) -> jax.Array:
+                    extra_keys=None, extra_bias=None, key_floor=None, q_norm_eps=None,
+                    q_rope=None) -> jax.Array:
     """Attention of a chunk of new tokens over its sliding window, plus optional extra keys,
     one softmax with the sink logit (spec §2.8, §4): prefill chunks.
 
@@ -98,11 +99,15 @@ def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: in
     token (selected rows), extra_bias [B,S,N|K] fp32 additive (0 / -inf).
     key_floor [B] int32 (optional): window keys at positions below it are not visible
     (V4.1 decoder bounded replay).
+    q_norm_eps (optional): q is the raw query projection; the attention uses
+    `kernels_xla.prepared_query(q, q_norm_eps, q_rope)`: the per-head RMS norm, then the
+    rotation of its last 2 x r/2 channels by q_rope = (cos, sin) [B,S,r/2] (spec §2.5), as
+    `model.attention.query_and_kv` computes it. Kernels may fold the norm into the logits.
     Returns o [B,S,H,d] in kv's dtype; logits and softmax in fp32.
     """
     return call("chunk_attention", q, kv, start, n_new, ring_kv, ring_pos, sinks,
                 window=window, extra_keys=extra_keys, extra_bias=extra_bias,
-                key_floor=key_floor)
+                key_floor=key_floor, q_norm_eps=q_norm_eps, q_rope=q_rope)
 
 
 def index_scores(q_index, head_weights, index_rows) -> jax.Array:

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn.kernel_registry import register
-from deepinfer_fn.model.common import einsum, linear, matmul_precision, operand_dtype, rms_norm
+from deepinfer_fn.model.common import (einsum, head_rms, linear, matmul_precision, operand_dtype,
+                                      rms_norm)
 from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
 from deepinfer_fn.model import mhc_math
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin
@@ -104,11 +105,27 @@ def _extra_values(probs, extra_keys, dtype):
     return einsum(spec, probs, extra_keys, out_dtype=jnp.float32, dtype=dtype)
 
 
+def prepared_query(q, q_norm_eps=None, q_rope=None):
+    """The attention query of `kernels.chunk_attention`: q as given when q_norm_eps is None,
+    else head_rms(q) rotated by q_rope = (cos, sin) [B,S,r/2] (when given)."""
+    if q_norm_eps is None:
+        if q_rope is not None:
+            raise ValueError("chunk_attention: q_rope needs q_norm_eps (a raw query)")
+        return q
+    q = head_rms(q, q_norm_eps)
+    if q_rope is not None:
+        cos, sin = q_rope
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+    return q
+
+
 @register("chunk_attention", "xla_dense")
 def chunk_attention_dense(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
-                          extra_keys=None, extra_bias=None, key_floor=None):
+                          extra_keys=None, extra_bias=None, key_floor=None, q_norm_eps=None,
+                          q_rope=None):
     """`kernels.chunk_attention` with dense logits over every ring slot and chunk key (the
     formula as written; S x (R + S) logits). Opt-in: the oracle of the blocked "xla"."""
+    q = prepared_query(q, q_norm_eps, q_rope)
     dtype = kv.dtype
     s = q.shape[1]
     positions, ring, chunk = _chunk_key_positions(start, n_new, ring_pos, s, key_floor)
@@ -167,9 +184,11 @@ def window_blocks(kv, start, n_new, ring_kv, ring_pos, window: int, key_floor=No
 
 @register("chunk_attention", "xla")
 def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
-                    extra_keys=None, extra_bias=None, key_floor=None):
+                    extra_keys=None, extra_bias=None, key_floor=None, q_norm_eps=None,
+                    q_rope=None):
     """`kernels.chunk_attention` in XLA, the window blocked (`window_blocks`): each query
     block of Q tokens attends to its R + Q keys, so S x (R + Q) logits instead of S x (R + S)."""
+    q = prepared_query(q, q_norm_eps, q_rope)
     dtype = kv.dtype
     b, s, h, d = q.shape
     k_blk, ok = window_blocks(kv, start, n_new, ring_kv, ring_pos, window, key_floor)

@@ -182,6 +182,38 @@ def test_output_bytes_of_async_starts():
     assert hlo_count.output_bytes(fusion) == 4 * 4096 + 2 * 6
 
 
+IN_PLACE_TEXT = """HloModule m, entry_computation_layout={(bf16[8,512]{1,0})->bf16[8,512]{1,0}}
+
+%fused_dus (param_0: bf16[8,512]) -> bf16[8,512] {
+  %param_0 = bf16[8,512]{1,0} parameter(0)
+  %slice.1 = bf16[8,64]{1,0} slice(%param_0), slice={[0:8], [448:512]}
+  %negate.1 = bf16[8,64]{1,0} negate(%slice.1)
+  %c0 = s32[] constant(0)
+  %c448 = s32[] constant(448)
+  ROOT %dynamic-update-slice.1 = bf16[8,512]{1,0} dynamic-update-slice(%param_0, %negate.1, %c0, %c448)
+}
+
+%fused_neg (param_0.1: bf16[8,512]) -> bf16[8,512] {
+  %param_0.1 = bf16[8,512]{1,0} parameter(0)
+  ROOT %negate.2 = bf16[8,512]{1,0} negate(%param_0.1)
+}
+
+ENTRY %main (p: bf16[8,512]) -> bf16[8,512] {
+  %p = bf16[8,512]{1,0} parameter(0)
+  %loop_negate_fusion = bf16[8,512]{1,0} fusion(%p), kind=kLoop, calls=%fused_neg
+  ROOT %loop_dynamic_update_slice_fusion = bf16[8,512]{1,0} fusion(%loop_negate_fusion), kind=kLoop, calls=%fused_dus
+}
+"""
+
+
+def test_in_place_updates_count_their_update():
+    """A fusion whose root is a dynamic-update-slice writes its update (8 x 64 bf16) into its
+    operand's buffer; a plain fusion writes its whole result (8 x 512 bf16)."""
+    r = hlo_count.count_text(IN_PLACE_TEXT)
+    assert r["kernels"] == 2
+    assert r["bytes_written"] == 2 * 8 * 512 + 2 * 8 * 64
+
+
 def test_no_entry_is_an_error():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo_count.count_text("HloModule m\n")

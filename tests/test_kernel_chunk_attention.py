@@ -3,6 +3,7 @@ blocked "xla" implementation and the dense "xla_dense" formula against a brute-f
 over (row, token, head), with rings holding wrapped, stale and empty slots, padding tokens,
 chunks that are not a multiple of the query block, shared and per-token extra keys."""
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -119,3 +120,41 @@ def test_chunk_attention_key_floor(impl):
     want = _loop(a, shared, floor)
     valid = np.arange(a["q"].shape[1])[None] < a["n_new"][:, None]
     np.testing.assert_allclose(got[valid], want[valid], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunk_attention_raw_query_equals_prepared(impl):
+    """A raw query with q_norm_eps / q_rope: the same result, bit for bit, as the query
+    normalised and rotated by `query_and_kv`'s own functions first (bf16)."""
+    from deepinfer_fn.model.common import head_rms
+    from deepinfer_fn.model.rope import apply_rope
+    a, shared, _ = _inputs(5, s=40, h=4, d=32, r=16, window=16)
+    rng = np.random.default_rng(5)
+    bf = jnp.bfloat16
+    q = jnp.asarray(a["q"] * np.exp(rng.uniform(-2, 2, a["q"].shape[:3] + (1,))), bf)
+    angles = rng.uniform(0, 6.3, a["q"].shape[:2] + (4,))
+    cos, sin = jnp.asarray(np.cos(angles), bf), jnp.asarray(np.sin(angles), bf)
+    rest = [jnp.asarray(a[k], bf if k in ("kv", "ring_kv") else None)
+            for k in ("kv", "start", "n_new", "ring_kv", "ring_pos", "sinks")]
+    kw = dict(window=a["window"], extra_keys=jnp.asarray(shared[0], bf),
+              extra_bias=jnp.asarray(shared[1]))
+    fn = kernels.implementation("chunk_attention", impl)
+    got = fn(q, *rest, q_norm_eps=1e-6, q_rope=(cos, sin), **kw)
+    want = fn(apply_rope(head_rms(q, 1e-6), cos[:, :, None], sin[:, :, None]), *rest, **kw)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="q_rope needs q_norm_eps"):
+        fn(q, *rest, q_rope=(cos, sin), **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rope_in_place_equals_rope(dtype):
+    """`apply_rope_in_place` writes the same values as `apply_rope`, both directions."""
+    from deepinfer_fn.model.rope import apply_rope, apply_rope_in_place
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((2, 9, 3, 32)), dtype)
+    angles = rng.uniform(0, 6.3, (2, 9, 1, 8))
+    cos, sin = jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
+    for inverse in (False, True):
+        got = jax.jit(apply_rope_in_place, static_argnums=3)(x, cos, sin, inverse)
+        want = apply_rope(x, cos, sin, inverse)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -202,6 +202,32 @@ def test_chunk_attention_interpret(h, n_extra, floor):
     assert _rel(got[valid], want[valid]) < 1e-2
 
 
+def test_chunk_attention_folded_query_interpret():
+    """A raw query (q_norm_eps, q_rope): the kernel rotates the query's rope channels in place
+    and scales each row's logits by its head RMS factor; the reference normalises and
+    rotates the query first. Rows of very different norms (the factor matters)."""
+    from custom_calls.chunk_attention import chunk_attention_mgpu
+    s, h, start, n_new = 37, 16, [0, 5], [37, 30]
+    args, kw = _chunk(21, 2, s, h, 128, 11, 8, 10, start, n_new)
+    rng = np.random.default_rng(4)
+    norms = jnp.asarray(np.exp(rng.uniform(-2.0, 2.5, (2, s, h, 1))), jnp.float32)
+    q_raw = (args[0].astype(jnp.float32) * norms).astype(jnp.bfloat16)
+    angles = rng.uniform(0, 2 * np.pi, (2, s, 16))
+    rope = (jnp.asarray(np.cos(angles), jnp.bfloat16), jnp.asarray(np.sin(angles), jnp.bfloat16))
+    kw.update(q_norm_eps=1e-6, q_rope=rope)
+    args = (q_raw,) + args[1:]
+    want = np.asarray(kernels_xla.chunk_attention(*args, window=8, **kw).astype(jnp.float32))
+    unnormed = np.asarray(kernels_xla.chunk_attention(
+        args[0], *args[1:], window=8, extra_keys=kw["extra_keys"],
+        extra_bias=kw["extra_bias"]).astype(jnp.float32))
+    fn = functools.partial(chunk_attention_mgpu, window=8, interpret=INTERPRET, **kw)
+    got = np.asarray(jax.block_until_ready(run_kernel(fn, *args)).astype(jnp.float32))
+    valid = np.arange(s)[None] < np.asarray(n_new)[:, None]
+    assert not np.isnan(got[valid]).any()
+    assert _rel(unnormed[valid], want[valid]) > 0.1      # the norm and rotation matter here
+    assert _rel(got[valid], want[valid]) < 1e-2
+
+
 def test_chunk_attention_skips_masked_blocks_interpret():
     """CTAs of early tokens see fewer extra-key blocks: they visit 1 of 4 key blocks, the
     last ones 3 (the window's block and the visible prefix), with the same result."""
@@ -437,6 +463,11 @@ def test_prefill_kernels_benchmark_smoke(tmp_path):
                                  "--out", str(tmp_path / "pk.json")])["rows"]
     assert [r["arm"] for r in rows] == ["kernels", "xla"]
     assert rows[0]["logits_sum"] == rows[1]["logits_sum"] and all(r["ms"] > 0 for r in rows)
+    assert rows[1]["logits_rel_err"] == 0.0 and rows[1]["top1_agreement"] == 1.0
+    from benchmarks.prefill_kernels import agreement
+    a = jnp.asarray([[1.0, 2.0], [3.0, 0.0]])
+    got = agreement(a, jnp.asarray([[1.0, 2.0], [0.0, 3.0]]))
+    assert got["top1_agreement"] == 0.5 and got["logits_rel_err"] == pytest.approx((18 / 14) ** 0.5)
 
 
 def test_linear_many_rejects_mismatched_weights():

@@ -9,7 +9,8 @@ from deepinfer_fn.config import CSA, HCA, ModelConfig
 from deepinfer_fn.model.common import grouped_linear, head_rms, linear, rms_norm
 from deepinfer_fn.model.compressor import compress_sequence
 from deepinfer_fn.model.indexer import index_queries, index_scores, select_top_k
-from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
+from deepinfer_fn.model.rope import (apply_rope, apply_rope_in_place, rope_cos_sin,
+                                     rope_frequencies)
 
 NEG_INF = -jnp.inf
 # Chunks and sequences of more than this many tokens (prefill, whole-sequence forward) attend
@@ -18,20 +19,29 @@ NEG_INF = -jnp.inf
 DECODE_CHUNK_MAX = 16
 
 
-def query_and_kv(p, x, cos, sin, cfg: ModelConfig):
+def query_and_kv(p, x, cos, sin, cfg: ModelConfig, raw_query: bool = False):
     """q [B,T,H,d] (head-normed, rotated), c_q [B,T,q_lora], kv [B,T,d] (normed, rotated)."""
-    return query_and_kv_of(p, linear(x, p["wq_a"]), linear(x, p["wkv"]), cos, sin, cfg)
+    return query_and_kv_of(p, linear(x, p["wq_a"]), linear(x, p["wkv"]), cos, sin, cfg,
+                           raw_query)
 
 
-def query_and_kv_of(p, x_wq_a, x_wkv, cos, sin, cfg: ModelConfig):
-    """`query_and_kv` from the input's projections x @ wq_a [B,T,q_lora], x @ wkv [B,T,d]."""
+def query_and_kv_of(p, x_wq_a, x_wkv, cos, sin, cfg: ModelConfig, raw_query: bool = False):
+    """`query_and_kv` from the input's projections x @ wq_a [B,T,q_lora], x @ wkv [B,T,d].
+    raw_query: q before its head norm and rotation (`kernels.chunk_attention` applies them
+    from `chunk_query_prep`)."""
     B, T, _ = x_wq_a.shape
     eps = cfg.rms_norm_eps
     c_q = rms_norm(x_wq_a, p["q_norm"], eps)
     q = linear(c_q, p["wq_b"]).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(head_rms(q, eps), cos[:, :, None], sin[:, :, None])
+    if not raw_query:
+        q = apply_rope(head_rms(q, eps), cos[:, :, None], sin[:, :, None])
     kv = apply_rope(rms_norm(x_wkv, p["kv_norm"], eps), cos, sin)
     return q, c_q, kv
+
+
+def chunk_query_prep(cos, sin, cfg: ModelConfig) -> dict:
+    """`kernels.chunk_attention`'s arguments for a raw query (`query_and_kv(raw_query=True)`)."""
+    return dict(q_norm_eps=cfg.rms_norm_eps, q_rope=(cos, sin))
 
 
 def kv_projection(p, x, cos, sin, cfg: ModelConfig):
@@ -45,7 +55,9 @@ def kv_projection(p, x, cos, sin, cfg: ModelConfig):
 def output_projection(p, o, cos, sin, cfg: ModelConfig):
     """De-rotate each head at the query position, grouped wo_a, then wo_b (§2.8)."""
     B, T, H, d = o.shape
-    o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
+    # Prefill chunks rewrite only the rotated channels of their large output.
+    rotate = apply_rope_in_place if T > DECODE_CHUNK_MAX else apply_rope
+    o = rotate(o, cos[:, :, None], sin[:, :, None], inverse=True)
     z = grouped_linear(o.reshape(B * T, cfg.o_groups, H // cfg.o_groups * d), p["wo_a"])
     return linear(z.reshape(B, T, -1), p["wo_b"])
 
@@ -69,7 +81,8 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
     """
     freqs = rope_frequencies(cfg, layer_type)
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
-    q, c_q, kv = query_and_kv(p, x, cos, sin, cfg)
+    blocked = x.shape[1] > DECODE_CHUNK_MAX
+    q, c_q, kv = query_and_kv(p, x, cos, sin, cfg, raw_query=blocked)
     rows = visible = None
     if layer_type in (CSA, HCA):
         ratio = cfg.compress_ratio_of(layer_type)
@@ -83,8 +96,8 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, index_rows)
             visible = select_top_k(scores, visible, cfg.index_topk)
-    if x.shape[1] > DECODE_CHUNK_MAX:
-        o = windowed(p, q, kv, rows, visible, cfg)
+    if blocked:
+        o = windowed(p, q, kv, rows, visible, cfg, **chunk_query_prep(cos, sin, cfg))
     else:
         keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
         if rows is not None:
@@ -94,10 +107,10 @@ def attention_sequence(p, x, positions, layer_type: str, cfg: ModelConfig):
     return output_projection(p, o, cos, sin, cfg)
 
 
-def windowed(p, q, kv, rows, visible, cfg: ModelConfig):
+def windowed(p, q, kv, rows, visible, cfg: ModelConfig, **query_prep):
     """Whole-sequence attention (q [B,T,H,d], kv [B,T,d]) as one chunk from position 0
     against an empty window ring; rows [B,N,d] (or None) as extra keys under their
-    visibility / selection mask visible [B,T,N] bool."""
+    visibility / selection mask visible [B,T,N] bool; query_prep: `chunk_query_prep`."""
     B, T = kv.shape[:2]
     W = cfg.sliding_window
     extra = {} if rows is None else dict(extra_keys=rows,
@@ -105,4 +118,4 @@ def windowed(p, q, kv, rows, visible, cfg: ModelConfig):
     return kernels.chunk_attention(q, kv, jnp.zeros((B,), jnp.int32), jnp.full((B,), T, jnp.int32),
                                    jnp.zeros((B, W, kv.shape[-1]), kv.dtype),
                                    jnp.full((B, W), -1, jnp.int32), p["sinks"], window=W,
-                                   **extra)
+                                   **extra, **query_prep)

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from deepinfer_fn import kernels
 from deepinfer_fn.config import CSA, HCA, ModelConfig
-from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, NEG_INF, output_projection,
-                                         query_and_kv_of, window_bias)
+from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, NEG_INF, chunk_query_prep,
+                                         output_projection, query_and_kv_of, window_bias)
 from deepinfer_fn.model.common import linear_many
 from deepinfer_fn.model.compressor import finish_rows, inputs_of, pool_windows
 from deepinfer_fn.model.indexer import index_queries, index_scores, top_k_rows
@@ -198,7 +198,8 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     freqs = rope_frequencies(cfg, layer_type)
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
     proj = _input_projections(p, x, layer_type)
-    q, c_q, kv = query_and_kv_of(p, proj["wq_a"], proj["wkv"], cos, sin, cfg)
+    blocked = S > DECODE_CHUNK_MAX   # prefill chunks: the window blocked (kernels.chunk_attention)
+    q, c_q, kv = query_and_kv_of(p, proj["wq_a"], proj["wkv"], cos, sin, cfg, raw_query=blocked)
     kv = kv.astype(st["window_kv"].dtype)
     ring_kv, ring_pos = _read(st, "window_kv", layer), _read(st, "window_pos", layer)
 
@@ -208,12 +209,10 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
     window_kv = jnp.concatenate([ring_kv, kv], axis=1)
     bias = window_bias(positions, jnp.concatenate([ring_pos, chunk_pos], 1), cfg.sliding_window)
 
-    blocked = S > DECODE_CHUNK_MAX   # prefill chunks: the window blocked (kernels.chunk_attention)
-
     def attend(extra_keys=None, extra_bias=None):
         return kernels.chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, p["sinks"],
                                        window=cfg.sliding_window, extra_keys=extra_keys,
-                                       extra_bias=extra_bias)
+                                       extra_bias=extra_bias, **chunk_query_prep(cos, sin, cfg))
 
     new = dict(st)
     writes = []     # ring writes, applied after the attention (which every ring read feeds)

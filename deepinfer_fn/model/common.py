@@ -108,8 +108,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, out_dtype=None) -> jax
     return (weight.astype(jnp.float32) * rms(x, eps)).astype(out_dtype)
 
 
+def head_rms_factor(x: jax.Array, eps: float) -> jax.Array:
+    """`head_rms`'s factor rsqrt(mean(x^2) + eps) over the last axis, in x's dtype: [..., 1]."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps).astype(x.dtype)
+
+
 def head_rms(x: jax.Array, eps: float) -> jax.Array:
     """Per-head unweighted query norm: rsqrt in fp32, multiply in the activation dtype (§2.12)."""
-    xf = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return x * inv.astype(x.dtype)
+    return x * head_rms_factor(x, eps)

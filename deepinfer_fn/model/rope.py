@@ -54,3 +54,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, inverse: bool = Fal
     a, b = rot[..., 0::2], rot[..., 1::2]
     rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(rot.shape)
     return jnp.concatenate([keep, rotated.astype(x.dtype)], axis=-1)
+
+
+def apply_rope_in_place(x: jax.Array, cos: jax.Array, sin: jax.Array,
+                        inverse: bool = False) -> jax.Array:
+    """`apply_rope` (the same values: each lane's two products, the same sum) as an update of
+    x's last r channels only, written as lane-wise products with the pair-swapped channels:
+    XLA:GPU writes the r channels into x's buffer (a copy of them, then an in-place update)
+    instead of rewriting all d (large activations)."""
+    r = 2 * cos.shape[-1]
+    tail = x[..., -r:].astype(jnp.float32)
+    c = jnp.repeat(cos.astype(jnp.float32), 2, axis=-1)
+    s = jnp.repeat(sin.astype(jnp.float32), 2, axis=-1)
+    even = np.arange(r) % 2 == 0            # lane 2i: a cos - b sin; lane 2i+1: b cos + a sin
+    signed = jnp.where(even, s if inverse else -s, -s if inverse else s)
+    swapped = tail.reshape(*tail.shape[:-1], r // 2, 2)[..., ::-1].reshape(tail.shape)
+    rotated = (tail * c + swapped * signed).astype(x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(x, rotated, x.shape[-1] - r, axis=x.ndim - 1)
