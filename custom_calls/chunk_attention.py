@@ -82,13 +82,16 @@ def block_keys(kv, start, n_new, ring_kv, ring_pos, window: int, extra_keys, ext
 
 
 def folded_query(q, q_norm_eps, q_rope):
-    """(q', scale [B,S,H]) with q' * scale = `kernels_xla.prepared_query(q, ...)` up to
-    rounding: the head RMS factor becomes a scale of the row's logits, and only the rotated
-    channels are rewritten (in place), instead of two passes that rewrite the whole query."""
-    scale = head_rms_factor(q, q_norm_eps)[..., 0]
-    # The factor is read before the in-place rotation overwrites q's channels: without the
-    # ordering XLA copies q to keep the factor's input alive.
-    q, scale = jax.lax.optimization_barrier((q, scale))
+    """(q', scale [B,S,H] or None) with q' * scale = `kernels_xla.prepared_query(q, ...)` up
+    to rounding: the head RMS factor becomes a scale of the row's logits, and only the
+    rotated channels are rewritten (in place), instead of passes that rewrite the whole
+    query."""
+    scale = None
+    if q_norm_eps is not None:
+        scale = head_rms_factor(q, q_norm_eps)[..., 0]
+        # The factor is read before the in-place rotation overwrites q's channels: without
+        # the ordering XLA copies q to keep the factor's input alive.
+        q, scale = jax.lax.optimization_barrier((q, scale))
     if q_rope is not None:
         cos, sin = q_rope
         q = apply_rope_in_place(q, cos[:, :, None], sin[:, :, None])
@@ -100,19 +103,15 @@ def chunk_attention_mgpu(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, windo
                          q_rope=None, interpret: bool = False, block_k: int = 64,
                          stages: int = 2, skip_masked: bool = True):
     """Registry signature (deepinfer_fn.kernels.chunk_attention); unsupported inputs (see
-    `supported`) are served by the XLA reference. A raw query (q_norm_eps) is rotated in
-    place and its head RMS factor applied to the logits in the kernel (`folded_query`)."""
+    `supported`) are served by the XLA reference. A raw query (q_norm_eps, q_rope) is rotated
+    in place and its head RMS factor applied to the logits in the kernel (`folded_query`)."""
     if not supported(q, kv, ring_kv, window, extra_keys, block_k):
         return kernels_xla.chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks,
                                            window=window, extra_keys=extra_keys,
                                            extra_bias=extra_bias, key_floor=key_floor,
                                            q_norm_eps=q_norm_eps, q_rope=q_rope)
     b, s, h, d = q.shape
-    scale = None
-    if q_norm_eps is not None:
-        q, scale = folded_query(q, q_norm_eps, q_rope)
-    elif q_rope is not None:
-        raise ValueError("chunk_attention: q_rope needs q_norm_eps (a raw query)")
+    q, scale = folded_query(q, q_norm_eps, q_rope)
     keys, bias, qb = block_keys(kv, start, n_new, ring_kv, ring_pos, window, extra_keys,
                                 extra_bias, key_floor, block_k)
     sp = bias.shape[0] // b

@@ -99,10 +99,11 @@ def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window: in
     token (selected rows), extra_bias [B,S,N|K] fp32 additive (0 / -inf).
     key_floor [B] int32 (optional): window keys at positions below it are not visible
     (V4.1 decoder bounded replay).
-    q_norm_eps (optional): q is the raw query projection; the attention uses
-    `kernels_xla.prepared_query(q, q_norm_eps, q_rope)`: the per-head RMS norm, then the
-    rotation of its last 2 x r/2 channels by q_rope = (cos, sin) [B,S,r/2] (spec §2.5), as
-    `model.attention.query_and_kv` computes it. Kernels may fold the norm into the logits.
+    q_norm_eps, q_rope (optional): q is the raw query projection; the attention uses
+    `kernels_xla.prepared_query(q, q_norm_eps, q_rope)`: the per-head RMS norm (if q_norm_eps),
+    then the rotation of its last 2 x r/2 channels by q_rope = (cos, sin) [B,S,r/2] (spec
+    §2.5), as `model.attention.query_and_kv` computes it. Kernels may fold the norm into the
+    logits.
     Returns o [B,S,H,d] in kv's dtype; logits and softmax in fp32.
     """
     return call("chunk_attention", q, kv, start, n_new, ring_kv, ring_pos, sinks,

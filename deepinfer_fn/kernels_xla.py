@@ -106,13 +106,10 @@ def _extra_values(probs, extra_keys, dtype):
 
 
 def prepared_query(q, q_norm_eps=None, q_rope=None):
-    """The attention query of `kernels.chunk_attention`: q as given when q_norm_eps is None,
-    else head_rms(q) rotated by q_rope = (cos, sin) [B,S,r/2] (when given)."""
-    if q_norm_eps is None:
-        if q_rope is not None:
-            raise ValueError("chunk_attention: q_rope needs q_norm_eps (a raw query)")
-        return q
-    q = head_rms(q, q_norm_eps)
+    """The attention query of `kernels.chunk_attention`: q head-normalised (`head_rms`) when
+    q_norm_eps is given, then rotated by q_rope = (cos, sin) [B,S,r/2] when given."""
+    if q_norm_eps is not None:
+        q = head_rms(q, q_norm_eps)
     if q_rope is not None:
         cos, sin = q_rope
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])

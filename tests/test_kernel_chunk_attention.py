@@ -142,8 +142,9 @@ def test_chunk_attention_raw_query_equals_prepared(impl):
     got = fn(q, *rest, q_norm_eps=1e-6, q_rope=(cos, sin), **kw)
     want = fn(apply_rope(head_rms(q, 1e-6), cos[:, :, None], sin[:, :, None]), *rest, **kw)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(ValueError, match="q_rope needs q_norm_eps"):
-        fn(q, *rest, q_rope=(cos, sin), **kw)
+    rotated = fn(q, *rest, q_rope=(cos, sin), **kw)        # rotation only (V4.1: no head norm)
+    want = fn(apply_rope(q, cos[:, :, None], sin[:, :, None]), *rest, **kw)
+    np.testing.assert_array_equal(np.asarray(rotated, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

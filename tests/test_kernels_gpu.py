@@ -202,7 +202,8 @@ def test_chunk_attention_interpret(h, n_extra, floor):
     assert _rel(got[valid], want[valid]) < 1e-2
 
 
-def test_chunk_attention_folded_query_interpret():
+@pytest.mark.parametrize("head_norm", [True, False])     # V4 / V4.1 (no query head norm)
+def test_chunk_attention_folded_query_interpret(head_norm):
     """A raw query (q_norm_eps, q_rope): the kernel rotates the query's rope channels in place
     and scales each row's logits by its head RMS factor; the reference normalises and
     rotates the query first. Rows of very different norms (the factor matters)."""
@@ -214,7 +215,7 @@ def test_chunk_attention_folded_query_interpret():
     q_raw = (args[0].astype(jnp.float32) * norms).astype(jnp.bfloat16)
     angles = rng.uniform(0, 2 * np.pi, (2, s, 16))
     rope = (jnp.asarray(np.cos(angles), jnp.bfloat16), jnp.asarray(np.sin(angles), jnp.bfloat16))
-    kw.update(q_norm_eps=1e-6, q_rope=rope)
+    kw.update(q_norm_eps=1e-6 if head_norm else None, q_rope=rope)
     args = (q_raw,) + args[1:]
     want = np.asarray(kernels_xla.chunk_attention(*args, window=8, **kw).astype(jnp.float32))
     unnormed = np.asarray(kernels_xla.chunk_attention(

@@ -39,9 +39,10 @@ def query_and_kv_of(p, x_wq_a, x_wkv, cos, sin, cfg: ModelConfig, raw_query: boo
     return q, c_q, kv
 
 
-def chunk_query_prep(cos, sin, cfg: ModelConfig) -> dict:
-    """`kernels.chunk_attention`'s arguments for a raw query (`query_and_kv(raw_query=True)`)."""
-    return dict(q_norm_eps=cfg.rms_norm_eps, q_rope=(cos, sin))
+def chunk_query_prep(cos, sin, cfg: ModelConfig, head_norm: bool = True) -> dict:
+    """`kernels.chunk_attention`'s arguments for a raw query (`query_and_kv(raw_query=True)`):
+    its head norm (when head_norm) and rotation."""
+    return dict(q_norm_eps=cfg.rms_norm_eps if head_norm else None, q_rope=(cos, sin))
 
 
 def kv_projection(p, x, cos, sin, cfg: ModelConfig):

@@ -25,8 +25,8 @@ from deepinfer_fn import kernels
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import latents as lat
 from deepinfer_fn.model import selection
-from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, kv_projection, output_projection,
-                                         window_bias, windowed)
+from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, chunk_query_prep, kv_projection,
+                                         output_projection, window_bias, windowed)
 from deepinfer_fn.model.common import head_rms, linear, rms_norm
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 
@@ -55,12 +55,16 @@ def empty_shared(cfg: ModelConfig, batch: int, length: int, dtype,
     return out
 
 
-def query(p, x: jax.Array, cos, sin, cfg: ModelConfig):
-    """q [B, T, H, d] (rotated; head-normed only if cfg.q_head_norm) and c_q [B, T, q_lora]."""
+def query(p, x: jax.Array, cos, sin, cfg: ModelConfig, raw: bool = False):
+    """q [B, T, H, d] (rotated; head-normed only if cfg.q_head_norm) and c_q [B, T, q_lora].
+    raw: q before its head norm and rotation, for `kernels.chunk_attention` with
+    `chunk_query_prep(..., head_norm=cfg.q_head_norm)`."""
     B, T, _ = x.shape
     eps = cfg.rms_norm_eps
     c_q = rms_norm(linear(x, p["wq_a"]), p["q_norm"], eps)
     q = linear(c_q, p["wq_b"]).reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
+    if raw:
+        return q, c_q
     if cfg.q_head_norm:
         q = head_rms(q, eps)
     return apply_rope(q, cos[:, :, None], sin[:, :, None]), c_q
@@ -93,7 +97,8 @@ def attention_sequence(p, x: jax.Array, positions: jax.Array, kind: str, shared:
     code = lat.layer_code(cfg, lt)
     freqs = rope_frequencies(cfg, lt)
     cos, sin = rope_cos_sin(positions, freqs, x.dtype)
-    q, c_q = query(p, x, cos, sin, cfg)
+    blocked = x.shape[1] > DECODE_CHUNK_MAX
+    q, c_q = query(p, x, cos, sin, cfg, raw=blocked)
     kv = kv_projection(p, x, cos, sin, cfg)
     rows = chosen = None
     if code:
@@ -104,8 +109,9 @@ def attention_sequence(p, x: jax.Array, positions: jax.Array, kind: str, shared:
             shared = select(p, c_q, x, positions, cos, sin, code, roles, shared, cfg)
         rows = shared["latents"][code]["rows"].astype(kv.dtype)
         chosen = shared["selected"][code]
-    if x.shape[1] > DECODE_CHUNK_MAX:
-        o = windowed(p, q, kv, rows, chosen, cfg)
+    if blocked:
+        o = windowed(p, q, kv, rows, chosen, cfg,
+                     **chunk_query_prep(cos, sin, cfg, head_norm=cfg.q_head_norm))
     else:
         keys, bias = kv, window_bias(positions, positions, cfg.sliding_window)
         if code:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from deepinfer_fn import kernels
 from deepinfer_fn.config import ModelConfig
 from deepinfer_fn.model import latents as lat
-from deepinfer_fn.model.attention import DECODE_CHUNK_MAX, kv_projection, output_projection
+from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, chunk_query_prep, kv_projection,
+                                         output_projection)
 from deepinfer_fn.model.attention_v41 import query, roles_of, select
 from deepinfer_fn.model.cached import DENSE_ROWS_MAX
 from deepinfer_fn.model.common import rms_norm
@@ -122,7 +123,8 @@ def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Arra
     code = lat.layer_code(cfg, lt)
     pos, valid = chunk_positions(start, n_new, S)
     cos, sin = rope_cos_sin(pos, rope_frequencies(cfg, lt), x.dtype)
-    q, c_q = query(p, x, cos, sin, cfg)
+    blocked = S > DECODE_CHUNK_MAX     # prefill chunks: chunk_attention rotates the query
+    q, c_q = query(p, x, cos, sin, cfg, raw=blocked)
     kv = kv_projection(p, x, cos, sin, cfg)
     keys, ok, new_ls = window(ls, kv, pos, valid, start, cfg, window_floor)
     if code:
@@ -135,7 +137,7 @@ def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Arra
             shared = select(p, c_q, x, pos, cos, sin, code, roles, shared, cfg)
     bias = jnp.where(ok, 0.0, NEG_INF).astype(jnp.float32)
     rows = shared["latents"][code]["rows"].astype(keys.dtype) if code else None
-    if S > DECODE_CHUNK_MAX:
+    if blocked:
         # Prefill chunk: the window blocked (`kernels.chunk_attention`); the selected rows
         # as a mask over every row while the buffer is small, else gathered per token.
         extra = {}
@@ -148,7 +150,8 @@ def attention_chunk(p, x: jax.Array, ls: dict, start: jax.Array, n_new: jax.Arra
                          extra_bias=jnp.where(row_idx >= 0, 0.0, NEG_INF))
         o = kernels.chunk_attention(q, kv.astype(keys.dtype), start, n_new, ls["window_kv"],
                                     ls["window_pos"], p["sinks"], window=cfg.sliding_window,
-                                    key_floor=window_floor, **extra)
+                                    key_floor=window_floor, **extra,
+                                    **chunk_query_prep(cos, sin, cfg, cfg.q_head_norm))
     elif code:
         # Only the selected rows are read (at most index_topk per query), not the whole
         # buffer: the same softmax over window, selected rows and sink (§2.8).
