@@ -15,6 +15,7 @@ On a machine without an sm_90 GPU the "kernels" arm falls back to XLA (both arms
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -32,8 +33,12 @@ from deepinfer_fn import kernels  # noqa: E402
 OPS = ("chunk_attention", "index_scores")
 
 
-def run_arm(cfg, params, token_map, impl: str, batch: int, tokens: int, peak: float) -> dict:
-    with kernels.use(OPS[0], impl), kernels.use(OPS[1], impl):
+def run_arm(cfg, params, token_map, impl: str, batch: int, tokens: int, peak: float,
+            ops: tuple[str, ...] = OPS) -> dict:
+    """One arm: `ops` on `impl`, the other prefill ops of OPS on XLA."""
+    with contextlib.ExitStack() as stack:
+        for op in OPS:
+            stack.enter_context(kernels.use(op, impl if op in ops else "xla"))
         fn = jax.jit(lean.prefill_fn(token_map))
         state = di.init_state(cfg, batch, tokens + 256, dtype=jnp.bfloat16)
         ids = jax.random.randint(jax.random.key(2), (batch, tokens), 0, cfg.vocab_size, jnp.int32)
@@ -69,10 +74,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", default="1x4096,8x512", help="BxS prefill chunks")
     ap.add_argument("--peak-n", type=int, default=8192, help="matmul size of the peak measurement")
     ap.add_argument("--arms", default="kernels,xla", help="kernels (Mosaic GPU), xla, or both")
+    ap.add_argument("--ops", default=",".join(OPS),
+                    help="the prefill ops the kernels arm runs on Mosaic GPU (the rest on XLA)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     impls = {"kernels": "mosaic_gpu", "xla": "xla"}
     arms = [impls[a] for a in args.arms.split(",")]
+    ops = tuple(o for o in args.ops.split(",") if o)
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        ap.error(f"--ops: unknown prefill ops {unknown}; choose from {list(OPS)}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cfg = di.ModelConfig.preset(args.preset)
     peak = lean.matmul_peak(jax, args.peak_n, 20)
@@ -83,7 +94,9 @@ def main(argv=None) -> dict:
     logits = {}
     for impl in arms:
         for batch, tokens in shapes:
-            row, out = run_arm(cfg, params, token_map, impl, batch, tokens, peak)
+            row, out = run_arm(cfg, params, token_map, impl, batch, tokens, peak, ops)
+            if impl == "mosaic_gpu":
+                row["ops"] = list(ops)
             if impl == "mosaic_gpu":
                 logits[batch, tokens] = out       # kept for the XLA arm's comparison
             elif (batch, tokens) in logits:
