@@ -70,7 +70,7 @@ def main():
         dense = jax.jit(lambda p, x, i, w: dense_reference(p, x, i, w, cfg.swiglu_limit))
         impl = kernels.choose("grouped_matmul")
         t_reg = timeit(routed, p, x, idx, w)
-        with kernels.use("grouped_matmul", "xla"):
+        with kernels.use("grouped_matmul", "xla"), kernels.use("grouped_swiglu", "xla"):
             routed_xla = jax.jit(lambda p, x, i, w: routed_experts(p, x, i, w, cfg.swiglu_limit))
             t_xla = timeit(routed_xla, p, x, idx, w)
         t_dense = timeit(dense, p, x, idx, w)

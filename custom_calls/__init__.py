@@ -3,6 +3,7 @@
 
 `mosaic_gpu` (Pallas Mosaic GPU, NVIDIA Hopper / sm_90):
   grouped_matmul    custom_calls.grouped_matmul.grouped_matmul_mgpu
+  grouped_swiglu    custom_calls.grouped_matmul.grouped_swiglu_mgpu
   sparse_attention  custom_calls.sparse_attention.sparse_attention_mgpu
   mhc_pre/mhc_post  custom_calls.mhc.mhc_pre_mgpu / mhc_post_mgpu
   sinkhorn          custom_calls.mhc.sinkhorn_mgpu
@@ -21,7 +22,7 @@ kernel does not support fall back to the XLA reference (`deepinfer_fn.kernels_xl
 """
 
 from deepinfer_fn.kernel_registry import register
-from custom_calls.grouped_matmul import grouped_matmul_mgpu
+from custom_calls.grouped_matmul import grouped_matmul_mgpu, grouped_swiglu_mgpu
 from custom_calls.sparse_attention import sparse_attention_mgpu
 from custom_calls.mhc import (mhc_post_mgpu, mhc_pre_mgpu, mhc_pre_prefers, mhc_prefers,
                               sinkhorn_mgpu)
@@ -32,6 +33,7 @@ from custom_calls.compressor import compressor_decode_mgpu
 from custom_calls.dense import grouped_linear_mgpu, linear_many_mgpu, linear_mgpu
 
 register("grouped_matmul", "mosaic_gpu")(grouped_matmul_mgpu)
+register("grouped_swiglu", "mosaic_gpu")(grouped_swiglu_mgpu)
 register("sparse_attention", "mosaic_gpu")(sparse_attention_mgpu)
 register("mhc_pre", "mosaic_gpu")(mhc_pre_mgpu)
 register("mhc_post", "mosaic_gpu")(mhc_post_mgpu)
@@ -45,14 +47,15 @@ register("grouped_linear", "mosaic_gpu")(grouped_linear_mgpu)
 register("linear_many", "mosaic_gpu")(linear_many_mgpu)
 
 # Opt-in: never chosen by platform preference, only when forced (deepinfer_fn/kernels.py).
-for _fn in (attention_mgpu, compressor_decode_mgpu):
+# grouped_swiglu: tested (interpret mode, lowering) but not yet timed on a GPU.
+for _fn in (attention_mgpu, compressor_decode_mgpu, grouped_swiglu_mgpu):
     _fn.opt_in = True
 # The mHC post kernel: chosen on narrow streams of 128 tokens or more only; the pre side
 # picks its own path.
 mhc_post_mgpu.prefers = mhc_prefers
 mhc_pre_mgpu.prefers = mhc_pre_prefers
 
-__all__ = ["grouped_matmul_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
+__all__ = ["grouped_matmul_mgpu", "grouped_swiglu_mgpu", "sparse_attention_mgpu", "mhc_pre_mgpu", "mhc_post_mgpu",
            "sinkhorn_mgpu",
            "attention_mgpu", "chunk_attention_mgpu", "index_scores_mgpu", "compressor_decode_mgpu", "linear_mgpu", "grouped_linear_mgpu",
            "linear_many_mgpu"]

@@ -35,6 +35,7 @@ from custom_calls._common import lowered_once, on_hopper, round_up
 from deepinfer_fn import kernels_xla
 
 NUM_SMS = 132  # H100 SXM / H200: the persistent grid size
+LOG2E = math.log2(math.e)
 
 
 def _work_list(group_sizes, m_rows: int, block_m: int):
@@ -96,18 +97,33 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, block_m: int, block_n: int):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
-                           max_concurrent_steps, num_sms=NUM_SMS):
+def _grouped_matmul_pallas(x, *ws_meta, block_m, block_n, block_k, max_concurrent_steps,
+                           num_sms=NUM_SMS, swiglu_limit=None):
+    """ws_meta = (w, meta, n_items), or (w1, w3, meta, n_items) with `swiglu_limit`: the
+    output tile is swiglu(x @ w1, x @ w3) (each product rounded to w's dtype first, as the
+    unfused ops round it), from two accumulators that share the x tiles."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    ws, (meta, n_items) = ws_meta[:-2], ws_meta[-2:]
+    assert len(ws) == (1 if swiglu_limit is None else 2)
+    w = ws[0]
     m, k = x.shape
     g, _, n = w.shape
     grid_n = n // block_n
     k_steps = k // block_k
     steps = max(2, min(max_concurrent_steps, k_steps))
 
-    def grouped_gemm(meta_gmem, count_gmem, x_gmem, w_gmem, o_gmem):
+    def epilogue(accs):
+        if swiglu_limit is None:
+            return accs[0]
+        gate, up = (a.astype(w.dtype).astype(jnp.float32) for a in accs)
+        gate = jnp.minimum(gate, swiglu_limit)
+        up = jnp.minimum(jnp.maximum(up, -swiglu_limit), swiglu_limit)
+        return gate / (1.0 + jnp.exp2(gate * -LOG2E)) * up     # silu(gate) * up
+
+    def grouped_gemm(meta_gmem, count_gmem, x_gmem, *refs):
+        w_gmems, o_gmem = refs[:-1], refs[-1]
         n_work = count_gmem[0] * grid_n
 
         @plgpu.nd_loop((n_work,), collective_axes="sm")
@@ -122,26 +138,28 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
 
             @pl.when(grp < g)
             def _matmul():
-                def acc_scope(acc_ref):
+                def acc_scope(*acc_refs):
+                    def body(_, x_smem, *w_smems):
+                        for acc_ref, w_smem in zip(acc_refs, w_smems):
+                            plgpu.wgmma(acc_ref, x_smem, w_smem)
+                    w_spec = plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni),
+                                             delay_release=1)
                     plgpu.emit_pipeline(
-                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem),
+                        body,
                         grid=(k_steps,),
-                        in_specs=[
-                            plgpu.BlockSpec((block_m, block_k), lambda kk: (blk, kk),
-                                            delay_release=1),
-                            plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, ni),
-                                            delay_release=1),
-                        ],
+                        in_specs=[plgpu.BlockSpec((block_m, block_k), lambda kk: (blk, kk),
+                                                  delay_release=1)] + [w_spec] * len(ws),
                         max_concurrent_steps=steps,
-                    )(x_gmem, w_gmem.at[grp])
-                    return acc_ref[...]
+                    )(x_gmem, *(w_gmem.at[grp] for w_gmem in w_gmems))
+                    return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, block_n)))
+                out = epilogue(pl.run_scoped(acc_scope,
+                                             *[plgpu.ACC((block_m, block_n))] * len(ws)))
 
                 @functools.partial(pl.run_scoped,
                                    o_smem=plgpu.SMEM((block_m, block_n), o_gmem.dtype))
                 def _store(o_smem):
-                    o_smem[...] = acc.astype(o_smem.dtype)
+                    o_smem[...] = out.astype(o_smem.dtype)
                     plgpu.commit_smem()
                     _store_rows(o_smem, o_gmem, blk * block_m, lo, hi, ni * block_n,
                                 block_m, block_n)
@@ -156,6 +174,8 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
                     _store_rows(o_smem, o_gmem, blk * block_m, lo, hi, ni * block_n,
                                 block_m, block_n)
 
+    if swiglu_limit is not None:    # the kernel's name in profiles
+        grouped_gemm.__name__ = "grouped_swiglu"
     kernel = plgpu.kernel(
         grouped_gemm,
         out_type=jax.ShapeDtypeStruct((m, n), w.dtype),
@@ -164,11 +184,11 @@ def _grouped_matmul_pallas(x, w, meta, n_items, *, block_m, block_n, block_k,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return kernel(meta, n_items, x, w)
+    return kernel(meta, n_items, x, *ws)
 
 
 _grouped_matmul_kernel = lowered_once(_grouped_matmul_pallas, "block_m", "block_n", "block_k",
-                                      "max_concurrent_steps", "num_sms")
+                                      "max_concurrent_steps", "num_sms", "swiglu_limit")
 
 
 def default_blocks(m: int, k: int, n: int, g: int) -> dict:
@@ -197,30 +217,51 @@ def grouped_matmul_mgpu(x, w, group_sizes, *, interpret: bool = False, pad_m: bo
     copy of the activations; kept for comparison)."""
     if w.dtype not in (jnp.bfloat16, jnp.float16):
         return kernels_xla.grouped_matmul(x, w, group_sizes)
+    return _launch(x, (w,), group_sizes, None, interpret, pad_m, blocks)
+
+
+def grouped_swiglu_mgpu(x, w1, w3, group_sizes, *, limit: float, interpret: bool = False,
+                        **blocks):
+    """Registry signature of `grouped_swiglu`: swiglu(x @ w1[g], x @ w3[g]) [M, N] in one
+    kernel (two accumulators on the same x tiles; the gate and up products never leave the
+    SM). Tiles as `default_blocks`, with 64-wide columns where the rows are 128 (two
+    accumulators fit the registers of one)."""
+    if w1.dtype not in (jnp.bfloat16, jnp.float16) or w3.dtype != w1.dtype \
+            or w3.shape != w1.shape:
+        return kernels_xla.grouped_swiglu(x, w1, w3, group_sizes, limit=limit)
+    return _launch(x, (w1, w3), group_sizes, float(limit), interpret, False, blocks)
+
+
+def _launch(x, ws, group_sizes, swiglu_limit, interpret: bool, pad_m: bool, blocks: dict):
+    """Pads x and the weights to the tiles, builds the work list and runs the kernel."""
     m, k = x.shape
-    g, k2, n = w.shape
+    g, k2, n = ws[0].shape
     if k != k2 or group_sizes.shape != (g,):
-        raise ValueError(f"grouped_matmul: shapes x{x.shape} w{w.shape} group_sizes{group_sizes.shape}")
+        raise ValueError(f"grouped_matmul: shapes x{x.shape} w{ws[0].shape} "
+                         f"group_sizes{group_sizes.shape}")
     cfg = default_blocks(m, k, n, g)
+    if swiglu_limit is not None and cfg["block_m"] > 64:
+        cfg["block_n"] = 64
     cfg.update(blocks)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     # TMA on the tiled layout wants M <= 8 or a multiple of 8: pad (a few rows) only then.
     mp = round_up(max(m, 1), bm) if pad_m else (round_up(m, 8) if m > 8 else m)
     kp, np_ = round_up(k, bk), round_up(n, bn)
-    xx = x.astype(w.dtype)
+    dtype = ws[0].dtype
+    xx = x.astype(dtype)
     if (mp, kp) != (m, k):
         xx = jnp.pad(xx, ((0, mp - m), (0, kp - k)))
-    ww = w
     if (kp, np_) != (k, n):
-        ww = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+        ws = tuple(jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n))) for w in ws)
     meta, n_items = _work_list(group_sizes, mp, bm)
-    y = _grouped_matmul_kernel(xx, ww, meta, n_items, block_m=bm, block_n=bn, block_k=bk,
+    y = _grouped_matmul_kernel(xx, *ws, meta, n_items, block_m=bm, block_n=bn, block_k=bk,
                                max_concurrent_steps=cfg["max_concurrent_steps"],
                                num_sms=cfg.get("num_sms", 4 if interpret else NUM_SMS),
-                               interpret=interpret)
+                               swiglu_limit=swiglu_limit, interpret=interpret)
     if (mp, np_) != (m, n):
         y = y[:m, :n]
     return y
 
 
 grouped_matmul_mgpu.available = on_hopper
+grouped_swiglu_mgpu.available = on_hopper

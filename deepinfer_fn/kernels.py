@@ -21,7 +21,10 @@ Backends:
               unrolled Sinkhorn is most of XLA's compile time of a layer); `attention` and
               `compressor_decode` are opt-in (`fn.opt_in = True`: no faster than XLA at
               decode sizes): force any of them with `use` or DEEPINFER_KERNELS, e.g.
-              "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu". Prefill chunks take
+              "mhc_pre=mosaic_gpu,mhc_post=mosaic_gpu". `grouped_swiglu` (the routed
+              experts' gate and up GEMMs and their SwiGLU in one kernel) is opt-in too
+              until timed on a GPU; its XLA path runs the chosen `grouped_matmul` twice.
+              Prefill chunks take
               `chunk_attention` (more than 16 tokens) and `index_scores` (at least 64).
   sm100       NVIDIA Blackwell dispatch point: not built (no SM100 hardware was available).
   ascend      Huawei Ascend dispatch point: needs CANN 9.2, not built.
@@ -41,13 +44,13 @@ import custom_calls  # noqa: F401  registers the Mosaic GPU implementations
 compressor_row_finish = kernels_xla.compressor_row_finish
 
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
-           "register_unbuilt", "use", "grouped_matmul", "attention", "sparse_attention",
+           "register_unbuilt", "use", "grouped_matmul", "grouped_swiglu", "attention", "sparse_attention",
            "chunk_attention", "index_scores", "top_k_rows", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
            "compressor_row_finish", "linear", "grouped_linear", "linear_many"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
 _NO_CANN = "the Ascend backend needs CANN 9.2, which this build does not include"
-for _op in ("grouped_matmul", "attention", "sparse_attention", "mhc_pre", "mhc_post", "sinkhorn",
+for _op in ("grouped_matmul", "grouped_swiglu", "attention", "sparse_attention", "mhc_pre", "mhc_post", "sinkhorn",
             "linear", "grouped_linear", "linear_many"):
     register_unbuilt(_op, "sm100", _NO_SM100)
     register_unbuilt(_op, "ascend", _NO_CANN)
@@ -60,6 +63,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     are zero. fp32 accumulation, result in w's dtype.
     """
     return call("grouped_matmul", x, w, group_sizes)
+
+
+def grouped_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *,
+                   limit: float) -> jax.Array:
+    """The routed experts' first layer: swiglu(x @ w1[g], x @ w3[g], limit) [M, N] (spec §2.9,
+    `model.common.swiglu`), rows of x [M, K] sorted by group as in `grouped_matmul`; w1, w3
+    [G, K, N]. Each product is rounded to w's dtype before the SwiGLU (fp32); the result is
+    in w's dtype; rows past sum(group_sizes) are zero."""
+    return call("grouped_swiglu", x, w1, w3, group_sizes, limit=limit)
 
 
 def attention(q, keys, bias, sinks) -> jax.Array:

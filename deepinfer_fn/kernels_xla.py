@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer_fn.kernel_registry import register
+from deepinfer_fn.kernel_registry import call, register
 from deepinfer_fn.model.common import (einsum, head_rms, linear, matmul_precision, operand_dtype,
-                                      rms_norm)
+                                      rms_norm, swiglu)
 from deepinfer_fn.model.mhc_math import collapse, expand, mhc_weights
 from deepinfer_fn.model import mhc_math
 from deepinfer_fn.model.rope import apply_rope, rope_cos_sin
@@ -23,6 +23,14 @@ def grouped_matmul(x, w, group_sizes):
                            precision=matmul_precision(w.dtype),
                            preferred_element_type=jnp.float32)
     return y.astype(w.dtype)
+
+
+@register("grouped_swiglu", "xla")
+def grouped_swiglu(x, w1, w3, group_sizes, *, limit: float):
+    """`kernels.grouped_swiglu` unfused: two `grouped_matmul` ops (each through the registry:
+    the chosen grouped GEMM) and the SwiGLU in XLA."""
+    return swiglu(call("grouped_matmul", x, w1, group_sizes),
+                  call("grouped_matmul", x, w3, group_sizes), limit)
 
 
 @register("attention", "xla")

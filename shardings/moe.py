@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_fn import kernels
-from deepinfer_fn.model.experts import routed_experts, swiglu, unsort
+from deepinfer_fn.model.experts import routed_experts, unsort
 
 BATCH = ("dp", "ep")
 DISPATCHES = ("auto", "fixed", "ragged", "ragged_emulated")
@@ -106,7 +106,7 @@ def _local_expert_compute(rows, local_expert, w1, w3, w2, limit):
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
     xs = rows[order]
-    h = swiglu(kernels.grouped_matmul(xs, w1, sizes), kernels.grouped_matmul(xs, w3, sizes), limit)
+    h = kernels.grouped_swiglu(xs, w1, w3, sizes, limit=limit)
     ys = kernels.grouped_matmul(h, w2, sizes)
     return unsort(ys, order)
 

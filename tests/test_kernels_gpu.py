@@ -89,7 +89,7 @@ def _grouped(seed, m, k, n, g, pad, empty=()):
 
 
 def test_registered_and_not_chosen_on_cpu():
-    for op in ("grouped_matmul", "sparse_attention", "attention", "chunk_attention",
+    for op in ("grouped_matmul", "grouped_swiglu", "sparse_attention", "attention", "chunk_attention",
                "index_scores", "linear", "linear_many"):
         assert "mosaic_gpu" in kernels.implementations(op)
         fn = kernels.implementation(op, "mosaic_gpu")
@@ -117,6 +117,51 @@ def test_grouped_matmul_interpret(m, k, n, g, pad, empty, blocks):
     assert got.shape == want.shape and not np.isnan(got).any()
     assert _rel(got, want) < 1e-2
     np.testing.assert_array_equal(got[m - pad:], 0.0)   # rows past sum(group_sizes)
+
+
+@pytest.mark.parametrize("m,k,n,g,pad,empty,blocks", [
+    (40, 64, 64, 5, 3, (1,), {}),                        # padding rows, an empty group
+    (70, 96, 80, 4, 5, (0, 3), {"block_n": 64}),         # K, N not multiples of the tiles
+    (6, 128, 128, 8, 0, (), {}),                         # decode: one row an expert
+    (300, 128, 128, 3, 7, (), {"block_m": 128, "block_n": 64}),   # prefill tiles
+])
+def test_grouped_swiglu_interpret(m, k, n, g, pad, empty, blocks):
+    """The fused gate / up GEMMs and SwiGLU against the unfused reference (two grouped GEMMs
+    rounded to bf16, the SwiGLU in fp32), bf16, with the clip active on a share of the
+    entries; the kernel must have run."""
+    from custom_calls.grouped_matmul import grouped_swiglu_mgpu
+    x, w1, sizes = _grouped(m + k, m, k, n, g, pad, empty)
+    _, w3, _ = _grouped(m + k + 1, m, k, n, g, pad, empty)
+    w1, w3 = (w1 * 4).astype(jnp.bfloat16), (w3 * 4).astype(jnp.bfloat16)
+    limit = 3.0
+    fn = functools.partial(grouped_swiglu_mgpu, limit=limit, interpret=INTERPRET, **blocks)
+    got = np.asarray(run_kernel(fn, x, w1, w3, sizes).astype(jnp.float32))
+    want = np.asarray(kernels_xla.grouped_swiglu(x, w1, w3, sizes, limit=limit)
+                      .astype(jnp.float32))
+    gate = np.asarray(kernels_xla.grouped_matmul(x, w1, sizes).astype(jnp.float32))
+    assert (gate > limit).mean() > 0.01                  # the clip is exercised
+    assert got.shape == want.shape and not np.isnan(got).any()
+    assert _rel(got, want) < 1e-2
+    np.testing.assert_array_equal(got[m - pad:], 0.0)   # rows past sum(group_sizes)
+
+
+def test_grouped_swiglu_routes_and_falls_back():
+    """The op's XLA path is the two registry GEMMs and the SwiGLU; the kernel serves fp32
+    weights through it (no kernel in the jaxpr)."""
+    from custom_calls.grouped_matmul import grouped_swiglu_mgpu
+    from deepinfer_fn.model.common import swiglu
+    x, w1, sizes = _grouped(3, 24, 16, 8, 3, 2)
+    _, w3, _ = _grouped(4, 24, 16, 8, 3, 2)
+    want = swiglu(kernels_xla.grouped_matmul(x, w1, sizes),
+                  kernels_xla.grouped_matmul(x, w3, sizes), 10.0)
+    np.testing.assert_array_equal(np.asarray(kernels.grouped_swiglu(x, w1, w3, sizes, limit=10.0)),
+                                  np.asarray(want))
+    x32, w1_32, w3_32 = (a.astype(jnp.float32) for a in (x, w1, w3))
+    fn = functools.partial(grouped_swiglu_mgpu, limit=10.0)
+    assert pallas_kernels(fn, x32, w1_32, w3_32, sizes) == []
+    np.testing.assert_array_equal(
+        np.asarray(fn(x32, w1_32, w3_32, sizes)),
+        np.asarray(kernels_xla.grouped_swiglu(x32, w1_32, w3_32, sizes, limit=10.0)))
 
 
 def test_grouped_matmul_fp32_falls_back_to_reference():
@@ -337,6 +382,13 @@ def test_kernels_lower_for_cuda():
         sd((2, 1, 32, 512), jnp.bfloat16), sd((2, 128, 512), jnp.bfloat16),
         sd((2, 1, 128), jnp.float32), sd((2, 1024, 512), jnp.bfloat16),
         sd((2, 1, 512), jnp.int32), sd((32,), jnp.float32))
+    from custom_calls.grouped_matmul import grouped_swiglu_mgpu
+    for rows in (6, 24576):                                    # mini's decode and 1x4096 prefill
+        exported = jax.export.export(jax.jit(functools.partial(grouped_swiglu_mgpu, limit=10.0)),
+                                     platforms=["cuda"])(
+            sd((rows, 2048), jnp.bfloat16), sd((64, 2048, 512), jnp.bfloat16),
+            sd((64, 2048, 512), jnp.bfloat16), sd((64,), jnp.int32))
+        assert exported.mlir_module().count("mosaic_gpu") >= 1
     from custom_calls.dense import linear_many_mgpu
     csa_input = [sd((2048, n), jnp.bfloat16) for n in (768, 512, 1024, 1024, 256, 256)]
     exported = jax.export.export(jax.jit(linear_many_mgpu), platforms=["cuda"])(
@@ -465,6 +517,12 @@ def test_prefill_kernels_benchmark_smoke(tmp_path):
     assert [r["arm"] for r in rows] == ["kernels", "xla"]
     assert rows[0]["logits_sum"] == rows[1]["logits_sum"] and all(r["ms"] > 0 for r in rows)
     assert rows[1]["logits_rel_err"] == 0.0 and rows[1]["top1_agreement"] == 1.0
+    one = prefill_kernels.main(["--preset", "tiny", "--shapes", "1x32", "--peak-n", "128",
+                                "--arms", "kernels", "--ops", "index_scores",
+                                "--out", str(tmp_path / "pk1.json")])["rows"]
+    assert one[0]["ops"] == ["index_scores"]
+    with pytest.raises(SystemExit):
+        prefill_kernels.main(["--ops", "no_such_op", "--out", str(tmp_path / "x.json")])
     from benchmarks.prefill_kernels import agreement
     a = jnp.asarray([[1.0, 2.0], [3.0, 0.0]])
     got = agreement(a, jnp.asarray([[1.0, 2.0], [0.0, 3.0]]))

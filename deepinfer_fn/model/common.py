@@ -78,6 +78,13 @@ def grouped_linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return call("grouped_linear", x, w)
 
 
+def swiglu(gate, up, limit: float):
+    """silu(min(gate, limit)) * clip(up, -limit, limit) in fp32, in gate's dtype (§2.9)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def operand_dtype(dtype):
     """The dtype dot operands are fed in. XLA:CPU has no batched bf16 x bf16 -> f32 dot, so
     on CPU bf16 operands are widened to f32 first: the products of bf16 values are exact in

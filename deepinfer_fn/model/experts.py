@@ -8,14 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_fn import kernels
-from deepinfer_fn.model.common import linear, linear_many
+from deepinfer_fn.model.common import linear, linear_many, swiglu
 
 
-def swiglu(gate, up, limit: float):
-    """silu(min(gate, limit)) * clip(up, -limit, limit) (§2.9)."""
-    gate = jnp.minimum(gate, limit)
-    up = jnp.clip(up, -limit, limit)
-    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 
@@ -89,9 +84,8 @@ def routed_experts(p, x, idx, weights, limit: float):
     order = jnp.argsort(flat, stable=True)
     x_sorted = x[order // k]
     group_sizes = counts(flat, n_experts)
-    gate = kernels.grouped_matmul(x_sorted, p["w1"], group_sizes)
-    up = kernels.grouped_matmul(x_sorted, p["w3"], group_sizes)
-    y_sorted = kernels.grouped_matmul(swiglu(gate, up, limit), p["w2"], group_sizes)
+    h = kernels.grouped_swiglu(x_sorted, p["w1"], p["w3"], group_sizes, limit=limit)
+    y_sorted = kernels.grouped_matmul(h, p["w2"], group_sizes)
     y = y_sorted[sorted_positions(flat, order)].reshape(n, k, -1)   # unsort
     out = jnp.einsum("nk,nkd->nd", weights, y.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
