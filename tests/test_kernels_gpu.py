@@ -303,11 +303,18 @@ def test_chunk_attention_unsupported_falls_back():
     per_token = dict(extra_keys=jnp.asarray(rng.standard_normal((1, 20, 3, 128)), jnp.bfloat16),
                      extra_bias=jnp.zeros((1, 20, 3), jnp.float32))
     decode_sized, _ = _chunk(6, 1, 8, 16, 128, 8, 8, 0, [4], [8])
-    for a, kw in ((args, per_token), (decode_sized, {})):
+    # A raw query (head norm and rotation still to apply) reaches the reference as it is.
+    half = args[0].shape[-1] // 8                 # 2 x 8 rotated channels of 128
+    angle = jnp.asarray(rng.uniform(0, 6, (1, 20, half)), jnp.float32)
+    raw = dict(q_norm_eps=1e-6, q_rope=(jnp.cos(angle), jnp.sin(angle)))
+    for a, kw in ((args, per_token), (decode_sized, {}), (args, {**per_token, **raw})):
         fn = functools.partial(chunk_attention_mgpu, window=8, **kw)
         assert pallas_kernels(fn, *a) == []
         np.testing.assert_array_equal(np.asarray(fn(*a), np.float32), np.asarray(
             kernels_xla.chunk_attention(*a, window=8, **kw), np.float32))
+    plain = np.asarray(kernels_xla.chunk_attention(*args, window=8, **per_token), np.float32)
+    assert not np.array_equal(plain, np.asarray(chunk_attention_mgpu(
+        *args, window=8, **per_token, **raw), np.float32))          # the raw query was used
 
 
 def test_flash_decode_rejects_tokens_per_cta_that_do_not_fit():
