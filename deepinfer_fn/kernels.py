@@ -71,6 +71,10 @@ def grouped_swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.
     `model.common.swiglu`), rows of x [M, K] sorted by group as in `grouped_matmul`; w1, w3
     [G, K, N]. Each product is rounded to w's dtype before the SwiGLU (fp32); the result is
     in w's dtype; rows past sum(group_sizes) are zero."""
+    if w1.shape != w3.shape or w1.dtype != w3.dtype or x.shape[-1] != w1.shape[1]:
+        raise ValueError(f"grouped_swiglu: x {x.shape} needs w1 and w3 of one shape and dtype "
+                         f"[G, {x.shape[-1]}, N]; got w1 {w1.shape} {w1.dtype}, "
+                         f"w3 {w3.shape} {w3.dtype}")
     return call("grouped_swiglu", x, w1, w3, group_sizes, limit=limit)
 
 

@@ -156,6 +156,8 @@ def test_grouped_swiglu_routes_and_falls_back():
                   kernels_xla.grouped_matmul(x, w3, sizes), 10.0)
     np.testing.assert_array_equal(np.asarray(kernels.grouped_swiglu(x, w1, w3, sizes, limit=10.0)),
                                   np.asarray(want))
+    with pytest.raises(ValueError, match="grouped_swiglu"):
+        kernels.grouped_swiglu(x, w1, w3[:, :, :4], sizes, limit=10.0)
     x32, w1_32, w3_32 = (a.astype(jnp.float32) for a in (x, w1, w3))
     fn = functools.partial(grouped_swiglu_mgpu, limit=10.0)
     assert pallas_kernels(fn, x32, w1_32, w3_32, sizes) == []
