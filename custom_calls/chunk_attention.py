@@ -14,10 +14,13 @@ Structure:
    the sink folded into the softmax: its output is the result. A CTA visits only the key
    blocks some of its tokens can see (about 3 of the window's and the visible prefix of
    the extra keys).
-3. A raw query (`q_norm_eps`, `q_rope`; `folded_query`): XLA reads it once for the head
-   RMS factors and rewrites only its rotated channels, in place; the kernel multiplies each
-   row's logits by its factor. The reference normalises and rotates the whole query first
-   (two more passes over it); the results agree to bf16 rounding.
+3. A raw query (`q_norm_eps`, `q_rope`): the kernel prepares its query tile in shared
+   memory (flash_decode's `norm_eps` / `rope`: each row's head RMS factor scales its logits,
+   the 64 rotated channels are rewritten before the first q @ K^T), so XLA does not touch
+   the query at all. For other rotation widths XLA reads the query once for the factors and
+   rewrites only its rotated channels, in place (`folded_query`). The reference normalises
+   and rotates the whole query first (two more passes over it); the results agree to bf16
+   rounding.
 
 Supported (`supported`): bf16 / fp16 keys, d in {128, 256, 384, 512}, H dividing 64 with
 H >= 8, chunks of more than MIN_TOKENS tokens, no extra keys or extra keys shared by the
@@ -31,12 +34,13 @@ import jax
 import jax.numpy as jnp
 
 from custom_calls._common import on_hopper, round_up
-from custom_calls.flash_decode import flash_decode, supported_geometry
+from custom_calls.flash_decode import flash_decode, prepares_query, supported_geometry
 from deepinfer_fn import kernels_xla
 from deepinfer_fn.model.common import head_rms_factor
 from deepinfer_fn.model.rope import apply_rope_in_place
 
 MIN_TOKENS = 16               # shorter chunks (decode, verify) go through the decode kernels
+PREPARE_QUERY_IN_KERNEL = True  # False: `folded_query` always (benchmarks compare the two)
 MAX_KEY_BYTES = 1 << 30       # the per-block key lists this path materialises
 
 
@@ -103,15 +107,22 @@ def chunk_attention_mgpu(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, windo
                          q_rope=None, interpret: bool = False, block_k: int = 64,
                          stages: int = 2, skip_masked: bool = True):
     """Registry signature (deepinfer_fn.kernels.chunk_attention); unsupported inputs (see
-    `supported`) are served by the XLA reference. A raw query (q_norm_eps, q_rope) is rotated
-    in place and its head RMS factor applied to the logits in the kernel (`folded_query`)."""
+    `supported`) are served by the XLA reference. A raw query (q_norm_eps, q_rope) is
+    prepared by the kernel (`flash_decode.prepares_query`), else by `folded_query`."""
     if not supported(q, kv, ring_kv, window, extra_keys, block_k):
         return kernels_xla.chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks,
                                            window=window, extra_keys=extra_keys,
                                            extra_bias=extra_bias, key_floor=key_floor,
                                            q_norm_eps=q_norm_eps, q_rope=q_rope)
     b, s, h, d = q.shape
-    q, scale = folded_query(q, q_norm_eps, q_rope)
+    rope = 0 if q_rope is None else 2 * q_rope[0].shape[-1]
+    in_kernel = PREPARE_QUERY_IN_KERNEL and prepares_query(d, rope)
+    scale, lanes = None, None
+    if in_kernel:
+        if q_rope is not None:
+            lanes = tuple(a.reshape(b, s, rope // 2) for a in q_rope)
+    else:
+        q, scale = folded_query(q, q_norm_eps, q_rope)
     keys, bias, qb = block_keys(kv, start, n_new, ring_kv, ring_pos, window, extra_keys,
                                 extra_bias, key_floor, block_k)
     sp = bias.shape[0] // b
@@ -121,6 +132,9 @@ def chunk_attention_mgpu(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, windo
                      splits=1, block_k=block_k, stages=stages, tokens_per_cta=64 // h,
                      skip_masked=skip_masked,
                      q_scale=None if scale is None else pad(scale).reshape(b * sp, h),
+                     q_norm_eps=q_norm_eps if in_kernel else None,
+                     q_rope=None if lanes is None else
+                     tuple(pad(a).reshape(b * sp, rope // 2) for a in lanes),
                      interpret=interpret)
     return o.reshape(b, sp, h, d)[:, :s]
 

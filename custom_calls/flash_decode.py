@@ -54,13 +54,21 @@ def supported_geometry(heads: int, head_dim: int, dtype) -> bool:
 
 def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: int,
                  block_k: int, stages: int, interpret: bool, qk_split: bool, fold_sink: bool,
-                 skip: bool, scaled: bool):
+                 skip: bool, scaled: bool, norm_eps: float | None = None, rope: int = 0):
     """q [C,R,d] (R = P x H rows: P tokens a CTA, heads fastest), keys [G,Lk,d], bias
     [C,P,L] fp32, sink_rows [64] fp32 (log2 units, row r's head's sink) -> o [C,splits,R,d]
     (keys' dtype) and lse2 [C,splits,64] fp32.
 
     extra: live (when skip), then row_scale [C,64] fp32 (when scaled): CTA c's row r logits
-    are multiplied by row_scale[c, r] (a query scale folded into the logits).
+    are multiplied by row_scale[c, r] (a query scale folded into the logits), then (when
+    rope) the rotation's lanes [C,2,P,rope] fp32 and the pair swap [rope,rope] (`rope_lanes`).
+
+    A raw query (`prepare_query`): norm_eps (not None) multiplies row r's logits by its head
+    RMS factor rsqrt(mean(q_r^2) + eps) (rounded to q's dtype, as `head_rms_factor` does),
+    computed from the query tile in shared memory, each warpgroup summing its half of d;
+    rope rotates the last `rope` channels of every row in shared memory before the first
+    q @ K^T (warpgroup 1, which owns them): lane 2i: a cos - b sin, lane 2i+1: b cos + a sin,
+    the pair-swapped tile (b, a) one wgmma with a permutation matrix.
 
     CTA c reads keys[c // (tokens_per_key / P)]; key rows past Lk read as zeros (TMA fills
     them). fold_sink: the softmax starts from the sink logit (max = sink, sum = 1), so o is
@@ -82,21 +90,67 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
     stages = max(1, min(stages, nblk))
     scale2 = LOG2E / math.sqrt(d)
 
-    assert len(extra) == skip + scaled
+    prep = norm_eps is not None or rope > 0
+    assert len(extra) == skip + scaled + 2 * (rope > 0)
     assert not skip or splits == 1
+    assert not (scaled and norm_eps is not None)
+    assert not prep or (qk_split and rope in (0, 64) and rope <= dh)
 
-    def kernel(q_ref, k_ref, b_ref, s_ref, live_ref, r_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, b_ref, s_ref, live_ref, r_ref, cs_ref, perm_ref, o_ref, lse_ref,
+               scoped):
         (q_smem, k_smem, b_smem, lse_smem), (k_bar, b_bar, q_bar), consumed, done = scoped[:4]
+        at = 4
         if qk_split:
-            x_smem, x_bar = scoped[4:6]
+            x_smem, x_bar = scoped[at:at + 2]
+            at += 2
         if scaled:
-            r_smem = scoped[6 if qk_split else 4]
+            r_smem = scoped[at]
+            at += 1
+        if norm_eps is not None:
+            ssq_smem, prep_bar = scoped[at:at + 2]
+            at += 2
+        if rope:
+            cs_smem, perm_smem = scoped[at:at + 2]
         tok = lax.axis_index("t")
         split = lax.axis_index("split")
         wg = lax.axis_index("wg")
         base = split * (nblk * block_k)
         group = tok // ctas_per_key
         n_visit = jnp.maximum(live_ref[tok, 0], 1) if skip else nblk
+
+        def head_rms_scale(wg):
+            """[64] fp32 (WGMMA.reduce(1)): each row's head RMS factor from the raw query tile;
+            warpgroup w sums the squares of its half of d, the halves meet in shared memory."""
+            ssq = None
+            for c in range(dh // 64):
+                x = plgpu.load(q_smem.at[wg, :, pl.ds(c * 64, 64)],
+                               layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                part = (x * x).sum(axis=1)
+                ssq = part if ssq is None else ssq + part
+            ssq_smem.at[wg][...] = ssq
+            plgpu.barrier_arrive(prep_bar.at[0])
+            plgpu.barrier_wait(prep_bar.at[0])
+            load = lambda w: plgpu.load(ssq_smem.at[w], layout=plgpu.Layout.WGMMA.reduce(1))
+            total = load(0) + load(1)
+            factor = lax.rsqrt(total * (1.0 / d) + norm_eps)
+            return factor.astype(dtype).astype(jnp.float32)
+
+        def rotate_tail():
+            """The rope rotation of the last `rope` channels of q (warpgroup 1's half), in
+            place; its ssq was read before (head_rms_scale)."""
+            plgpu.barrier_wait(q_bar.at[4])
+            plgpu.barrier_wait(q_bar.at[5])
+            tail_ref = q_smem.at[1, :, pl.ds(dh - rope, rope)]
+            tail = plgpu.load(tail_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+            def swap_scope(acc_ref):
+                plgpu.wgmma(acc_ref, tail_ref, perm_smem)
+                return acc_ref[...]
+            swapped = pl.run_scoped(swap_scope, plgpu.ACC((_ROWS, rope), jnp.float32))
+            cos = _row_lanes(cs_smem.at[0], swapped.shape)
+            sin = _row_lanes(cs_smem.at[1], swapped.shape)
+            tail_ref[...] = (tail * cos + swapped * sin).astype(dtype)
+            plgpu.commit_smem()      # the rotated channels, visible to the wgmmas that read q
 
         @pl.when(wg < 2)
         def _compute():
@@ -117,6 +171,12 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
             if scaled:
                 plgpu.barrier_wait(q_bar.at[3])
                 row_scale2 = plgpu.load(r_smem, layout=plgpu.Layout.WGMMA.reduce(1)) * scale2
+            if norm_eps is not None:
+                row_scale2 = head_rms_scale(wg) * scale2
+            if rope:
+                @pl.when(wg == 1)
+                def _():
+                    rotate_tail()
 
             def step(i, carry):
                 acc, m_i, l_i = carry
@@ -156,7 +216,7 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
                             plgpu.wgmma(acc_ref, q_smem.at[half], k_half.transpose((1, 0)))
                         return acc_ref[...]
                     s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_k), jnp.float32))
-                if scaled:
+                if scaled or norm_eps is not None:
                     s = s * lax.broadcast_in_dim(row_scale2, s.shape, [0])
                 else:
                     s = s * scale2
@@ -219,6 +279,9 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
                 plgpu.copy_gmem_to_smem(s_ref, lse_smem, q_bar.at[2])
             if scaled:
                 plgpu.copy_gmem_to_smem(r_ref.at[tok], r_smem, q_bar.at[3])
+            if rope:
+                plgpu.copy_gmem_to_smem(cs_ref.at[tok], cs_smem, q_bar.at[4])
+                plgpu.copy_gmem_to_smem(perm_ref, perm_smem, q_bar.at[5])
 
             def fetch(i, slot):
                 start = base + (live_ref[tok, 1 + i] if skip else i) * block_k
@@ -247,6 +310,19 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
             for slot in range(stages):
                 when_visited(slot, lambda slot=slot: plgpu.barrier_wait(consumed.at[slot]))
 
+    def _row_lanes(lanes, shape):
+        """[P, n] per-token lanes (fp32 shared memory) as a [64, n] tile: row r takes its
+        token's (r // H) lanes."""
+        def cols(j):
+            return lax.broadcast_in_dim(
+                plgpu.load(lanes.at[j], layout=plgpu.Layout.WGMMA.reduce(0)), shape, [1])
+        out = cols(0)
+        if per_cta > 1:
+            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            for j in range(1, per_cta):
+                out = jnp.where(row >= j * heads, cols(j), out)
+        return out
+
     def _row_bias(b_tile, shape):
         """The [P, block_k] bias tile as [64, block_k] log2-unit logits: row r takes its
         token's (r // H) row."""
@@ -263,6 +339,7 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
     def flash_decode_split(q_ref, k_ref, b_ref, s_ref, *rest):
         live_ref = rest[0] if skip else None
         r_ref = rest[int(skip)] if scaled else None
+        cs_ref, perm_ref = rest[skip + scaled:skip + scaled + 2] if rope else (None, None)
         o_ref, lse_ref = rest[-2:]
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
@@ -273,7 +350,7 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
             plgpu.SMEM((_ROWS,), jnp.float32),            # the sinks, then lse
         )
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=4 if scaled else 3))
+                plgpu.Barrier(num_barriers=6 if rope else 4 if scaled else 3))
         extra = ()
         if qk_split:
             extra += (plgpu.SMEM((_ROWS, block_k), jnp.float32,
@@ -281,11 +358,17 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
                       plgpu.Barrier(num_arrivals=2, num_barriers=2))
         if scaled:
             extra += (plgpu.SMEM((_ROWS,), jnp.float32),)
+        if norm_eps is not None:
+            extra += (plgpu.SMEM((2, _ROWS), jnp.float32),                  # ssq halves
+                      plgpu.Barrier(num_arrivals=2, num_barriers=1))
+        if rope:
+            extra += (plgpu.SMEM((2, per_cta, rope), jnp.float32),          # rope lanes
+                      plgpu.SMEM((rope, rope), dtype, transforms=(tiling, swizzle)))  # swap
         if interpret:
             extra += (plgpu.SMEM((2, _ROWS, block_k), dtype, transforms=(tiling, swizzle)),)
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, b_ref, s_ref, live_ref, r_ref, o_ref, lse_ref,
-                                   scoped),
+            lambda *scoped: kernel(q_ref, k_ref, b_ref, s_ref, live_ref, r_ref, cs_ref, perm_ref,
+                                   o_ref, lse_ref, scoped),
             smem, bars,
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -306,7 +389,7 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
 
 
 _kernel = lowered_once(_kernel_call, "tokens_per_key", "splits", "block_k", "stages", "qk_split",
-                       "fold_sink", "skip", "scaled")
+                       "fold_sink", "skip", "scaled", "norm_eps", "rope")
 
 
 def choose_splits(tokens: int, nblk: int, num_sms: int = NUM_SMS) -> int:
@@ -338,9 +421,31 @@ def live_blocks(bias, block_k: int):
     return jnp.concatenate([live.sum(axis=1, dtype=jnp.int32)[:, None], order], axis=1)
 
 
+def rope_lanes(cos, sin):
+    """cos, sin [T, r/2] -> [T, 2, r] fp32: per lane, the factor of the lane itself (cos) and
+    of its pair-swapped partner (lane 2i: -sin, lane 2i+1: +sin), as `apply_rope` rotates."""
+    c = jnp.repeat(cos.astype(jnp.float32), 2, axis=-1)
+    s = jnp.repeat(sin.astype(jnp.float32), 2, axis=-1)
+    sign = jnp.where(jnp.arange(c.shape[-1]) % 2 == 0, -1.0, 1.0)
+    return jnp.stack([c, s * sign], axis=1)
+
+
+def pair_swap(r: int, dtype) -> jax.Array:
+    """[r, r] permutation: x @ P swaps the lanes of every pair (2i, 2i+1)."""
+    i = jnp.arange(r)
+    return (i[:, None] == (i[None, :] ^ 1)).astype(dtype)
+
+
+def prepares_query(head_dim: int, rope: int) -> bool:
+    """Whether the kernel prepares a raw query itself (head RMS, rotation of the last `rope`
+    channels): rope is 0 or one 64-lane tile inside the second half of d."""
+    return rope in (0, 64) and rope <= head_dim // 2
+
+
 def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, block_k: int = 64,
                  stages: int = 2, qk_split: bool = True, tokens_per_cta: int = 1,
-                 skip_masked: bool = False, q_scale=None, interpret: bool = False):
+                 skip_masked: bool = False, q_scale=None, q_norm_eps: float | None = None,
+                 q_rope=None, interpret: bool = False):
     """q [T,H,d]; keys [G,Lk,d] (K = V, G = T / tokens_per_key); bias [T,L] fp32 additive
     (L a multiple of block_k * splits, -inf past Lk); sinks [H] fp32 -> o [T,H,d] in keys' dtype.
 
@@ -350,7 +455,10 @@ def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, 
     CTA serves P consecutive tokens of one key list, each key block loaded once for all of
     them, and the sink enters the softmax in the kernel (no merge after it): prefill tiles.
     skip_masked (one split): a CTA visits only the key blocks where some bias of its tokens
-    is finite (`live_blocks`)."""
+    is finite (`live_blocks`).
+    q_norm_eps, q_rope = (cos, sin) [T, r/2] (optional, `prepares_query`): q is raw; the
+    kernel applies the head RMS factor to each row's logits and rotates the last r channels
+    (`kernels_xla.prepared_query`'s query, up to rounding)."""
     t_count, h, d = q.shape
     g, lk, d2 = keys.shape
     p = tokens_per_cta
@@ -366,6 +474,12 @@ def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, 
     if p < 1 or p * h > _ROWS or tokens_per_key % p or (p > 1 and splits != 1):
         raise ValueError(f"flash_decode: tokens_per_cta={p} needs P x H <= {_ROWS}, P dividing "
                          f"tokens_per_key={tokens_per_key} and one split (got {splits})")
+    rope = 0 if q_rope is None else 2 * q_rope[0].shape[-1]
+    if (q_norm_eps is not None or rope) and (not qk_split or not prepares_query(d, rope)):
+        raise ValueError(f"flash_decode: the kernel prepares a query of d={d} with a rotation of "
+                         f"64 lanes (got {rope}) only, with qk_split")
+    if q_norm_eps is not None and q_scale is not None:
+        raise ValueError("flash_decode: q_scale and q_norm_eps exclude each other")
     dtype = keys.dtype
     sink2 = sinks.astype(jnp.float32) * LOG2E                # [H]
     fold = p > 1
@@ -379,11 +493,19 @@ def flash_decode(q, keys, bias, sinks, *, tokens_per_key: int = 1, splits: int, 
             raise ValueError(f"flash_decode: q_scale{q_scale.shape} must be {(t_count, h)}")
         rows = q_scale.astype(jnp.float32).reshape(t_count // p, p * h)
         extra += (jnp.pad(rows, ((0, 0), (0, _ROWS - p * h)), constant_values=1.0),)
+    if rope:
+        cos, sin = q_rope
+        if cos.shape != (t_count, rope // 2) or sin.shape != cos.shape:
+            raise ValueError(f"flash_decode: q_rope cos{cos.shape} sin{sin.shape} must be "
+                             f"{(t_count, rope // 2)}")
+        lanes = rope_lanes(cos, sin).reshape(t_count // p, p, 2, rope).transpose(0, 2, 1, 3)
+        extra += (lanes, pair_swap(rope, dtype))
     o, lse2 = _kernel(q.astype(dtype).reshape(t_count // p, p * h, d), keys, bias, sink_rows,
                       *extra,
                       tokens_per_key=tokens_per_key, splits=splits, block_k=block_k,
                       stages=stages, interpret=interpret, qk_split=qk_split, fold_sink=fold,
-                      skip=skip_masked, scaled=q_scale is not None)
+                      skip=skip_masked, scaled=q_scale is not None,
+                      norm_eps=None if q_norm_eps is None else float(q_norm_eps), rope=rope)
     if fold:
         return o.reshape(t_count, h, d)
     lse2 = lse2[..., :h]                                     # [T, splits, H]

@@ -249,18 +249,29 @@ def test_chunk_attention_interpret(h, n_extra, floor):
     assert _rel(got[valid], want[valid]) < 1e-2
 
 
-@pytest.mark.parametrize("head_norm", [True, False])     # V4 / V4.1 (no query head norm)
-def test_chunk_attention_folded_query_interpret(head_norm):
-    """A raw query (q_norm_eps, q_rope): the kernel rotates the query's rope channels in place
-    and scales each row's logits by its head RMS factor; the reference normalises and
-    rotates the query first. Rows of very different norms (the factor matters)."""
-    from custom_calls.chunk_attention import chunk_attention_mgpu
+@pytest.mark.parametrize("head_norm,rope,in_kernel,switch", [
+    (True, 64, True, True),      # V4: the kernel normalises and rotates the raw query tile
+    (False, 64, True, True),     # V4.1 (no query head norm)
+    (True, 32, False, True),     # a rotation narrower than one 64-lane tile: XLA folds it
+    (True, 64, False, False),    # PREPARE_QUERY_IN_KERNEL off: XLA folds it
+])
+def test_chunk_attention_folded_query_interpret(head_norm, rope, in_kernel, switch, monkeypatch):
+    """A raw query (q_norm_eps, q_rope): the kernel scales each row's logits by its head RMS
+    factor and rotates the query's rope channels (in shared memory, or in place by XLA
+    before it for other rope widths); the reference normalises and rotates the query first.
+    Rows of very different norms (the factor matters)."""
+    from custom_calls import chunk_attention, flash_decode
+    calls = []
+    real = flash_decode.flash_decode
+    monkeypatch.setattr(chunk_attention, "flash_decode",
+                        lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(chunk_attention, "PREPARE_QUERY_IN_KERNEL", switch)
     s, h, start, n_new = 37, 16, [0, 5], [37, 30]
     args, kw = _chunk(21, 2, s, h, 128, 11, 8, 10, start, n_new)
     rng = np.random.default_rng(4)
     norms = jnp.asarray(np.exp(rng.uniform(-2.0, 2.5, (2, s, h, 1))), jnp.float32)
     q_raw = (args[0].astype(jnp.float32) * norms).astype(jnp.bfloat16)
-    angles = rng.uniform(0, 2 * np.pi, (2, s, 16))
+    angles = rng.uniform(0, 2 * np.pi, (2, s, rope // 2))
     rope = (jnp.asarray(np.cos(angles), jnp.bfloat16), jnp.asarray(np.sin(angles), jnp.bfloat16))
     kw.update(q_norm_eps=1e-6 if head_norm else None, q_rope=rope)
     args = (q_raw,) + args[1:]
@@ -268,12 +279,38 @@ def test_chunk_attention_folded_query_interpret(head_norm):
     unnormed = np.asarray(kernels_xla.chunk_attention(
         args[0], *args[1:], window=8, extra_keys=kw["extra_keys"],
         extra_bias=kw["extra_bias"]).astype(jnp.float32))
-    fn = functools.partial(chunk_attention_mgpu, window=8, interpret=INTERPRET, **kw)
+    fn = functools.partial(chunk_attention.chunk_attention_mgpu, window=8,
+                           interpret=INTERPRET, **kw)
     got = np.asarray(jax.block_until_ready(run_kernel(fn, *args)).astype(jnp.float32))
     valid = np.arange(s)[None] < np.asarray(n_new)[:, None]
     assert not np.isnan(got[valid]).any()
     assert _rel(unnormed[valid], want[valid]) > 0.1      # the norm and rotation matter here
     assert _rel(got[valid], want[valid]) < 1e-2
+    assert calls                                          # the kernel path, prepared as said
+    for kw in calls:
+        assert (kw["q_rope"] is not None) == in_kernel
+        assert (kw["q_scale"] is None) == (in_kernel or not head_norm)
+        assert (kw["q_norm_eps"] is not None) == (in_kernel and head_norm)
+
+
+def test_chunk_attention_prepared_query_mini_geometry_interpret():
+    """The query prepared in the kernel at `mini`'s geometry (32 heads of d = 512: two tokens
+    a CTA, the rotated 64 lanes at the end of warpgroup 1's half), raw query rows of very
+    different norms, against the reference."""
+    from custom_calls import chunk_attention
+    s, h, d = 21, 32, 512
+    args, kw = _chunk(5, 1, s, h, d, 11, 8, 6, [3], [s])
+    rng = np.random.default_rng(6)
+    norms = jnp.asarray(np.exp(rng.uniform(-2.0, 2.5, (1, s, h, 1))), jnp.float32)
+    args = ((args[0].astype(jnp.float32) * norms).astype(jnp.bfloat16),) + args[1:]
+    angles = rng.uniform(0, 2 * np.pi, (1, s, 32))
+    kw.update(q_norm_eps=1e-6, q_rope=(jnp.asarray(np.cos(angles), jnp.bfloat16),
+                                       jnp.asarray(np.sin(angles), jnp.bfloat16)))
+    want = np.asarray(kernels_xla.chunk_attention(*args, window=8, **kw).astype(jnp.float32))
+    fn = functools.partial(chunk_attention.chunk_attention_mgpu, window=8,
+                           interpret=INTERPRET, **kw)
+    got = np.asarray(run_kernel(fn, *args).astype(jnp.float32))
+    assert not np.isnan(got).any() and _rel(got, want) < 1e-2
 
 
 def test_chunk_attention_skips_masked_blocks_interpret():
@@ -405,13 +442,15 @@ def test_kernels_lower_for_cuda():
     assert exported.mlir_module().count("mosaic_gpu") >= 1
     from custom_calls.chunk_attention import chunk_attention_mgpu    # mini's CSA prefill
 
-    def csa_chunk(*a, ek, eb):
-        return chunk_attention_mgpu(*a, window=128, extra_keys=ek, extra_bias=eb)
+    def csa_chunk(*a, ek, eb, cos, sin):     # the raw query: head norm and rotation inside
+        return chunk_attention_mgpu(*a, window=128, extra_keys=ek, extra_bias=eb,
+                                    q_norm_eps=1e-6, q_rope=(cos, sin))
     exported = jax.export.export(jax.jit(csa_chunk), platforms=["cuda"])(
         sd((1, 4096, 32, 512), jnp.bfloat16), sd((1, 4096, 512), jnp.bfloat16),
         sd((1,), jnp.int32), sd((1,), jnp.int32), sd((1, 128, 512), jnp.bfloat16),
         sd((1, 128), jnp.int32), sd((32,), jnp.float32), ek=sd((1, 1024, 512), jnp.bfloat16),
-        eb=sd((1, 4096, 1024), jnp.float32))
+        eb=sd((1, 4096, 1024), jnp.float32), cos=sd((1, 4096, 32), jnp.bfloat16),
+        sin=sd((1, 4096, 32), jnp.bfloat16))
     assert exported.mlir_module().count("mosaic_gpu") >= 1
     from custom_calls.indexer import index_scores_mgpu             # mini's CSA prefill
     exported = jax.export.export(jax.jit(index_scores_mgpu), platforms=["cuda"])(
