@@ -36,12 +36,13 @@ def compile_arms(cfg, params, token_map, batch: int, tokens: int):
     state = di.init_state(cfg, batch, tokens + 256, dtype=jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (batch, tokens), 0, cfg.vocab_size, jnp.int32)
     compiled = {}
+    before = chunk_attention.PREPARE_QUERY_IN_KERNEL
     try:
         for arm, in_kernel in ARMS.items():
             chunk_attention.PREPARE_QUERY_IN_KERNEL = in_kernel    # read while tracing
             compiled[arm] = jax.jit(lean.prefill_fn(token_map)).lower(params, state, ids).compile()
     finally:
-        chunk_attention.PREPARE_QUERY_IN_KERNEL = True
+        chunk_attention.PREPARE_QUERY_IN_KERNEL = before
     return compiled, state, ids
 
 

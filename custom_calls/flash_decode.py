@@ -310,12 +310,12 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
             for slot in range(stages):
                 when_visited(slot, lambda slot=slot: plgpu.barrier_wait(consumed.at[slot]))
 
-    def _row_lanes(lanes, shape):
-        """[P, n] per-token lanes (fp32 shared memory) as a [64, n] tile: row r takes its
-        token's (r // H) lanes."""
+    def _row_lanes(lanes, shape, scale: float = 1.0):
+        """[P, n] per-token lanes (fp32 shared memory, each times `scale`) as a [64, n] tile:
+        row r takes its token's (r // H) lanes."""
         def cols(j):
-            return lax.broadcast_in_dim(
-                plgpu.load(lanes.at[j], layout=plgpu.Layout.WGMMA.reduce(0)), shape, [1])
+            v = plgpu.load(lanes.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(v * scale if scale != 1.0 else v, shape, [1])
         out = cols(0)
         if per_cta > 1:
             row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -324,17 +324,8 @@ def _kernel_call(q, keys, bias, sink_rows, *extra, tokens_per_key: int, splits: 
         return out
 
     def _row_bias(b_tile, shape):
-        """The [P, block_k] bias tile as [64, block_k] log2-unit logits: row r takes its
-        token's (r // H) row."""
-        def cols(j):
-            bias2 = plgpu.load(b_tile.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
-            return lax.broadcast_in_dim(bias2 * LOG2E, shape, [1])
-        out = cols(0)
-        if per_cta > 1:
-            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            for j in range(1, per_cta):
-                out = jnp.where(row >= j * heads, cols(j), out)
-        return out
+        """The [P, block_k] bias tile as [64, block_k] log2-unit logits."""
+        return _row_lanes(b_tile, shape, LOG2E)
 
     def flash_decode_split(q_ref, k_ref, b_ref, s_ref, *rest):
         live_ref = rest[0] if skip else None

@@ -1,5 +1,5 @@
 """benchmarks/prefill_query_ab.py on the tiny preset (the XLA reference in both arms on a
-CPU: equal logits), and the switch it flips is back on afterwards."""
+CPU: equal logits), and the switch it flips is back as it was afterwards."""
 
 
 def test_prefill_query_ab_smoke(tmp_path):
