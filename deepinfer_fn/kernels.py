@@ -8,7 +8,8 @@ Backends:
               `grouped_linear`, `linear_many` live in `model.common` and are re-exported here). For
               `chunk_attention` it is the blocked window; `xla_dense` (opt-in) is the dense
               formula it is tested against.
-  xla_select  pure XLA, opt-in: `top_k_rows` by radix select instead of a sort.
+  xla_select  pure XLA, opt-in: `top_k_rows` and `top_k_mask` by radix select instead of
+              a sort.
   mosaic_gpu  Pallas Mosaic GPU kernels for NVIDIA Hopper (the `custom_calls` package).
               Chosen by default on an sm_90 GPU for `grouped_matmul` and `sparse_attention`,
               for `linear` / `grouped_linear` on at most 64 rows (decode projections: the
@@ -45,7 +46,7 @@ compressor_row_finish = kernels_xla.compressor_row_finish
 
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
            "register_unbuilt", "use", "grouped_matmul", "grouped_swiglu", "attention", "sparse_attention",
-           "chunk_attention", "index_scores", "top_k_rows", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
+           "chunk_attention", "index_scores", "top_k_rows", "top_k_mask", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
            "compressor_row_finish", "linear", "grouped_linear", "linear_many"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
@@ -144,6 +145,17 @@ def top_k_rows(scores, visible, k: int) -> jax.Array:
     index, its -1 entries possibly in between. The set of valid indices is the same.
     """
     return call("top_k_rows", scores, visible, k)
+
+
+def top_k_mask(scores, visible, k: int) -> jax.Array:
+    """Boolean [..., N] mask of the rows `top_k_rows` selects (the same set, invisible rows
+    never set): scores [..., N] (any float dtype), visible [..., N] bool. "xla" scatters
+    lax.top_k's indices; "xla_select" compares each score with its row's k-th largest found
+    by radix select (no sort, no scatter)."""
+    if scores.shape != visible.shape:
+        raise ValueError(f"top_k_mask: scores{scores.shape} and visible{visible.shape} must "
+                         "have one shape")
+    return call("top_k_mask", scores, visible, k)
 
 
 def mhc_pre(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: float,

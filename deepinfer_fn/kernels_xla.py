@@ -1,6 +1,6 @@
 """XLA implementations of the kernel ops (`deepinfer_fn.kernels`): the reference every other
-implementation is tested against ("xla", every platform), and `top_k_rows_select` ("xla_select",
-opt-in: a radix select instead of a sort). Each registers itself in `kernel_registry`."""
+implementation is tested against ("xla", every platform), and `top_k_rows_select` /
+`top_k_mask_select` ("xla_select": a radix select instead of a sort). Each registers itself in `kernel_registry`."""
 
 from __future__ import annotations
 
@@ -253,26 +253,13 @@ def _radix_bits(rows: int, n: int) -> int:
     return 8 if rows * n <= 1 << 16 else 4
 
 
-@register("top_k_rows", "xla_select")
-def top_k_rows_select(scores, visible, k, radix_bits: int | None = None):
-    """Radix select on the float bit pattern, no sort. Opt-in (DEEPINFER_KERNELS=
-    top_k_rows=xla_select): it wins over lax.top_k only for few sequences over many rows
-    (benchmarks/topk_compressor.py).
+def _kth_largest_key(key, k: int, width: int, bits: int):
+    """Radix select on uint32 keys [rows, n] (`width` significant bits), 0 < k <= n: the k-th
+    largest key T [rows, 1] and the count of keys above it [rows, 1].
 
-    Each pass fixes the next digit of the k-th largest key T: per row, the count of keys
-    that match the digits fixed so far and have digit >= j, for every j (one fused
-    compare-and-reduce). Then rows with key > T, and the lowest-index `k - #(key > T)` rows
-    with key == T, are compacted in index order (one cumsum, one scatter)."""
-    n = scores.shape[-1]
-    k = min(k, n)
-    lead = scores.shape[:-1]
-    if k == 0:
-        return jnp.zeros(lead + (0,), jnp.int32)
-    key, width = _sortable_key(jnp.where(visible, scores, -jnp.inf))
-    key = key.reshape(-1, n)
-    vis = visible.reshape(-1, n)
+    Each pass fixes the next digit of T: per row, the count of keys that match the digits
+    fixed so far and have digit >= j, for every j (one fused compare-and-reduce)."""
     rows = key.shape[0]
-    bits = radix_bits or _radix_bits(rows, n)
     prefix = jnp.zeros((rows, 1), jnp.uint32)   # digits of T fixed so far
     above = jnp.zeros((rows, 1), jnp.int32)     # keys above every key with that prefix
     done = 0
@@ -290,8 +277,37 @@ def top_k_rows_select(scores, visible, k, radix_bits: int | None = None):
         above = above + nxt
         prefix = (prefix << b) | d.astype(jnp.uint32)
         done += b
-    gt, eq = key > prefix, key == prefix
-    need = k - above
+    return prefix, above
+
+
+def _radix_choice(scores, visible, k: int, radix_bits: int | None):
+    """scores, visible [..., N] -> (key > T, key == T) [rows, N] bool, the count of ties to
+    keep k - #(key > T) [rows, 1] and visible [rows, N], T the k-th largest key of each row
+    (`_kth_largest_key`; invisible rows count as -inf)."""
+    n = scores.shape[-1]
+    key, width = _sortable_key(jnp.where(visible, scores, -jnp.inf))
+    key = key.reshape(-1, n)
+    bits = radix_bits or _radix_bits(key.shape[0], n)
+    threshold, above = _kth_largest_key(key, k, width, bits)
+    return key > threshold, key == threshold, k - above, visible.reshape(-1, n)
+
+
+@register("top_k_rows", "xla_select")
+def top_k_rows_select(scores, visible, k, radix_bits: int | None = None):
+    """Radix select on the float bit pattern, no sort. Opt-in (DEEPINFER_KERNELS=
+    top_k_rows=xla_select): it wins over lax.top_k only for few sequences over many rows
+    (benchmarks/topk_compressor.py).
+
+    The k-th largest key T by `_kth_largest_key`; then rows with key > T, and the
+    lowest-index `k - #(key > T)` rows with key == T, are compacted in index order (one
+    cumsum, one scatter)."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    lead = scores.shape[:-1]
+    if k == 0:
+        return jnp.zeros(lead + (0,), jnp.int32)
+    gt, eq, need, vis = _radix_choice(scores, visible, k, radix_bits)
+    rows = gt.shape[0]
     incl = jnp.cumsum(jnp.stack([gt, eq]).astype(jnp.int32), axis=-1)
     before_gt, before_eq = incl[0] - gt, incl[1] - eq
     take = (gt | (eq & (before_eq < need))) & vis
@@ -300,6 +316,30 @@ def top_k_rows_select(scores, visible, k, radix_bits: int | None = None):
     out = out.at[jnp.arange(rows)[:, None], pos].set(
         jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (rows, n)), mode="drop")
     return out.reshape(lead + (k,))
+
+
+@register("top_k_mask", "xla")
+def top_k_mask(scores, visible, k):
+    """`kernels.top_k_mask` from lax.top_k's indices (`top_k_rows`), scattered into a mask."""
+    if min(k, scores.shape[-1]) == 0:
+        return jnp.zeros_like(visible)
+    idx = top_k_rows(scores, visible, k)
+    chosen = jnp.zeros(scores.shape, bool)
+    chosen = jnp.put_along_axis(chosen, jnp.maximum(idx, 0), True, axis=-1, inplace=False)
+    return chosen & visible
+
+
+@register("top_k_mask", "xla_select")
+def top_k_mask_select(scores, visible, k, radix_bits: int | None = None):
+    """`kernels.top_k_mask` by radix select (`_kth_largest_key`): no sort and no scatter,
+    the mask compares each key with the row's k-th largest (ties by one cumsum)."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    if k == 0:
+        return jnp.zeros_like(visible)
+    gt, eq, need, vis = _radix_choice(scores, visible, k, radix_bits)
+    before_eq = jnp.cumsum(eq.astype(jnp.int32), axis=-1) - eq
+    return ((gt | (eq & (before_eq < need))) & vis).reshape(scores.shape)
 
 
 @register("mhc_pre", "xla")

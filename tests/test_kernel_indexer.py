@@ -1,7 +1,8 @@
 """Indexer top-k and the fused compressor decode step against their XLA references.
 
 top_k_rows: every implementation returns the same set of valid indices as the reference
-(lax.top_k, ties to the lower index) and as a brute-force argsort, on scores with many ties.
+(lax.top_k, ties to the lower index) and as a brute-force argsort, on scores with many ties;
+top_k_mask: the same sets as boolean masks.
 """
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from deepinfer_fn import kernels, kernels_xla
 
 TOPK_IMPLS = [i for i in kernels.implementations("top_k_rows") if i.startswith("xla")]
+MASK_IMPLS = [i for i in kernels.implementations("top_k_mask") if i.startswith("xla")]
 
 
 def _brute_top_k(scores, visible, k):
@@ -97,6 +99,55 @@ def test_top_k_select_is_jittable_and_has_no_sort():
 
 def test_top_k_defaults_to_reference():
     assert kernels.choose("top_k_rows", "cpu") == kernels.choose("top_k_rows", "gpu") == "xla"
+
+
+def _mask_sets(mask):
+    m = np.asarray(mask)
+    return [set(np.flatnonzero(row).tolist()) for row in m.reshape(-1, m.shape[-1])]
+
+
+@pytest.mark.parametrize("impl", MASK_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,k,levels,p_vis", [
+    ((2, 3, 40), 7, 5, 0.8),        # heavy ties
+    ((2, 2, 24), 20, 3, 0.5),       # k > visible count
+    ((1, 2, 10), 12, 6, 1.0),       # k > N
+    ((2, 1, 33), 5, 2, 0.0),        # nothing visible
+    ((1, 3, 300), 100, 300, 0.9),   # several radix passes
+    ((2, 4, 16), 0, 4, 0.7),        # k = 0
+])
+def test_top_k_mask_matches_brute_force(impl, dtype, shape, k, levels, p_vis):
+    scores, visible = _case(hash((shape, k, levels, 1)) % 1000, shape, levels, dtype, p_vis)
+    with kernels.use("top_k_mask", impl):
+        got = kernels.top_k_mask(scores, visible, k)
+    assert got.shape == shape and got.dtype == jnp.bool_
+    brute = _brute_top_k(np.asarray(scores.astype(jnp.float32)), np.asarray(visible), k)
+    assert _mask_sets(got) == brute
+    assert not np.any(np.asarray(got) & ~np.asarray(visible))
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_top_k_mask_select_any_digit_width_and_extremes(bits):
+    vals = np.array([np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, -1e-45, 0.0, -0.0], np.float32)
+    scores = jnp.asarray(np.tile(vals, 3)[None, None])
+    visible = jnp.ones(scores.shape, bool)
+    for k in (1, 5, 11, 24):
+        got = kernels_xla.top_k_mask_select(scores, visible, k, radix_bits=bits)
+        assert _mask_sets(got) == _brute_top_k(np.asarray(scores), np.asarray(visible), k), k
+
+
+def test_top_k_mask_select_has_no_sort_or_scatter():
+    scores, visible = _case(9, (2, 8, 128), 20, jnp.float32)
+    f = jax.jit(lambda s, v: kernels_xla.top_k_mask_select(s, v, 32))
+    assert _mask_sets(f(scores, visible)) == _brute_top_k(np.asarray(scores),
+                                                          np.asarray(visible), 32)
+    hlo = f.lower(scores, visible).as_text()
+    assert not any(op in hlo for op in ("stablehlo.sort", "chlo.top_k", "stablehlo.scatter"))
+
+
+def test_top_k_mask_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="top_k_mask: scores"):
+        kernels.top_k_mask(jnp.zeros((2, 5)), jnp.ones((2, 4), bool), 2)
 
 
 # ------------------------------------------------------------------ compressor decode step

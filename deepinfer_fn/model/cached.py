@@ -27,21 +27,13 @@ from deepinfer_fn.model.attention import (DECODE_CHUNK_MAX, NEG_INF, chunk_query
                                          output_projection, query_and_kv_of, window_bias)
 from deepinfer_fn.model.common import linear_many
 from deepinfer_fn.model.compressor import finish_rows, inputs_of, pool_windows
-from deepinfer_fn.model.indexer import index_queries, index_scores, top_k_rows
+from deepinfer_fn.model.indexer import index_queries, index_scores, select_top_k, top_k_rows
 from deepinfer_fn.model.rope import rope_cos_sin, rope_frequencies
 
 
 # A prefill chunk of a CSA layer scores every compressed row, the unselected ones masked,
 # while the layer holds at most this many rows; beyond, each token's selection is gathered.
 DENSE_ROWS_MAX = 4096
-
-
-def _chosen(row_idx, n_rows: int):
-    """Selected-row mask [B,S,N] bool of row indices [B,S,K] (-1 = none)."""
-    hit = jnp.zeros(row_idx.shape[:-1] + (n_rows + 1,), bool)
-    hit = jnp.put_along_axis(hit, jnp.where(row_idx >= 0, row_idx, n_rows), True, axis=-1,
-                             inplace=False)
-    return hit[..., :n_rows]
 
 
 def _gather_tokens(ext, idx):
@@ -236,12 +228,14 @@ def attention_chunk(p, x, st: dict, start, n_new, layer_type: str, cfg: ModelCon
             writes += ring_writes
             q_index, head_w = index_queries(ip, c_q, x, cos, sin, cfg)
             scores = index_scores(q_index, head_w, _read(new, "index_rows", layer))
-            row_idx = top_k_rows(scores, visible, cfg.index_topk)
             if not blocked:
+                row_idx = top_k_rows(scores, visible, cfg.index_topk)
                 o = kernels.sparse_attention(q, window_kv, bias, rows, row_idx, p["sinks"])
             elif rows.shape[1] <= DENSE_ROWS_MAX:   # every row, the unselected ones masked
-                o = attend(rows, jnp.where(_chosen(row_idx, rows.shape[1]), 0.0, NEG_INF))
+                chosen = select_top_k(scores, visible, cfg.index_topk)
+                o = attend(rows, jnp.where(chosen, 0.0, NEG_INF))
             else:                                   # each token's selected rows gathered
+                row_idx = top_k_rows(scores, visible, cfg.index_topk)
                 o = attend(_gather_tokens(rows, jnp.maximum(row_idx, 0)),
                            jnp.where(row_idx >= 0, 0.0, NEG_INF))
         elif blocked:

@@ -34,10 +34,5 @@ def top_k_rows(scores, visible, k: int):
 
 
 def select_top_k(scores, visible, k: int):
-    """Boolean [B,T,N] form of `top_k_rows`."""
-    if min(k, scores.shape[-1]) == 0:
-        return jnp.zeros_like(visible)
-    idx = top_k_rows(scores, visible, k)
-    chosen = jnp.zeros(scores.shape, bool)
-    chosen = jnp.put_along_axis(chosen, jnp.maximum(idx, 0), True, axis=-1, inplace=False)
-    return chosen & visible
+    """Boolean [B,T,N] form of `top_k_rows` (the registry op `kernels.top_k_mask`)."""
+    return kernels.top_k_mask(scores, visible, k)

@@ -1,0 +1,40 @@
+"""benchmarks/variants.py on the tiny preset (XLA everywhere on a CPU): variants that choose
+another formula of the same selection give the same logits and tokens, and every switch a
+variant flips is back as it was afterwards."""
+
+import pytest
+
+
+def test_prefill_variants_smoke(tmp_path):
+    from benchmarks import variants
+    from custom_calls import chunk_attention
+    from deepinfer_fn import kernels
+    out = tmp_path / "pv.json"
+    r = variants.main(["prefill", "--preset", "tiny", "--shapes", "1x48", "--rounds", "2",
+                       "--reps", "1", "--variants", "default,topk_select,query_folded",
+                       "--out", str(out)])
+    assert out.exists() and chunk_attention.PREPARE_QUERY_IN_KERNEL
+    assert kernels.choose("top_k_mask") == "xla"
+    rows = {row["variant"]: row for row in r["results"]}
+    assert set(rows) == {"default", "topk_select", "query_folded"}
+    for row in rows.values():
+        assert len(row["ms"]) == 2 and row["kernels"] > 0
+        assert row["logits_rel_diff"] == 0.0 and row["top1_agreement"] == 1.0
+
+
+def test_decode_variants_smoke(tmp_path):
+    from benchmarks import variants
+    r = variants.main(["decode", "--preset", "tiny", "--batches", "2", "--context", "128",
+                       "--steps", "2", "--rounds", "2", "--reps", "1",
+                       "--variants", "default,rows_select", "--out", str(tmp_path / "dv.json")])
+    rows = {row["variant"]: row for row in r["results"]}
+    assert rows["rows_select"]["same_tokens_as_first"] and len(rows["default"]["step_ms"]) == 2
+
+
+def test_unknown_variant_is_rejected(tmp_path):
+    from benchmarks import variants
+    with pytest.raises(SystemExit):
+        variants.main(["decode", "--variants", "default,nope", "--out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        with variants.variant("nope"):
+            pass
