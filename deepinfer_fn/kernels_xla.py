@@ -257,8 +257,10 @@ def _kth_largest_key(key, k: int, width: int, bits: int):
     """Radix select on uint32 keys [rows, n] (`width` significant bits), 0 < k <= n: the k-th
     largest key T [rows, 1] and the count of keys above it [rows, 1].
 
-    Each pass fixes the next digit of T: per row, the count of keys that match the digits
-    fixed so far and have digit >= j, for every j (one fused compare-and-reduce)."""
+    Each pass fixes the next digit of T from, for every digit value j, the count of keys that
+    match the digits fixed so far and have digit >= j: up to 16 digit values as sibling sums
+    over the keys (XLA fuses them into one pass that reads each key once), more as one
+    compare-and-reduce over a [rows, 2^bits, n] broadcast."""
     rows = key.shape[0]
     prefix = jnp.zeros((rows, 1), jnp.uint32)   # digits of T fixed so far
     above = jnp.zeros((rows, 1), jnp.int32)     # keys above every key with that prefix
@@ -267,13 +269,20 @@ def _kth_largest_key(key, k: int, width: int, bits: int):
         b = min(bits, width - done)
         shift = width - done - b
         digit = (key >> shift) & jnp.uint32((1 << b) - 1)
-        j = jnp.arange(1 << b, dtype=jnp.uint32)
-        ge = digit[:, None, :] >= j[None, :, None]                  # [rows, 2^b, n]
-        if done:
-            ge &= ((key >> (shift + b)) == prefix)[:, None, :]
-        counts = jnp.sum(ge, axis=-1, dtype=jnp.int32)             # [rows, 2^b], non-increasing
-        d = jnp.sum(above + counts >= k, axis=-1, keepdims=True, dtype=jnp.int32) - 1
-        nxt = jnp.take_along_axis(jnp.pad(counts, ((0, 0), (0, 1))), d + 1, axis=-1)
+        match = ((key >> (shift + b)) == prefix) if done else jnp.ones_like(digit, bool)
+        if b <= 4:
+            counts = jnp.concatenate(
+                [jnp.sum(match & (digit >= j), axis=-1, keepdims=True, dtype=jnp.int32)
+                 for j in range(1 << b)], axis=-1)
+        else:
+            j = jnp.arange(1 << b, dtype=jnp.uint32)
+            ge = (digit[:, None, :] >= j[None, :, None]) & match[:, None, :]
+            counts = jnp.sum(ge, axis=-1, dtype=jnp.int32)
+        # counts [rows, 2^b] fall with j; counts[:, 0] reaches k - above
+        reach = above + counts >= k
+        d = jnp.sum(reach, axis=-1, keepdims=True, dtype=jnp.int32) - 1
+        # counts[d + 1] (0 past the end): the largest count that does not reach k
+        nxt = jnp.max(jnp.where(reach, 0, counts), axis=-1, keepdims=True)
         above = above + nxt
         prefix = (prefix << b) | d.astype(jnp.uint32)
         done += b
