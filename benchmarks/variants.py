@@ -5,7 +5,7 @@ alternating rounds on the same weights and state, with its kernel count (`hlo_co
 its output checked against the first variant's (decode: the first call's tokens; prefill:
 logits, relative L2 and top-1 agreement).
 
-    python benchmarks/variants.py decode --variants default,attention,compressor --out F.json
+    python benchmarks/variants.py decode --variants default,attention,mhc_split --out F.json
     python benchmarks/variants.py prefill --shapes 1x4096,8x512 \
         --variants default,query_folded,topk_select --out F.json
     python benchmarks/variants.py prefill --preset tiny --shapes 1x64 \
@@ -38,7 +38,6 @@ from deepinfer_fn import kernels  # noqa: E402
 VARIANTS = {
     "default": ({}, []),
     "attention": ({"attention": "mosaic_gpu"}, []),
-    "compressor": ({"compressor_decode": "mosaic_gpu"}, []),
     "mhc_one": ({}, [("custom_calls.mhc", "ONE_KERNEL_MIN_TOKENS", 1)]),     # narrow streams
     "mhc_split": ({}, [("custom_calls.mhc", "SPLIT_MIN_TOKENS", 1)]),        # wide streams
     "swiglu": ({"grouped_swiglu": "mosaic_gpu"}, []),
