@@ -40,8 +40,9 @@ from deepinfer_fn.model.common import head_rms_factor
 from deepinfer_fn.model.rope import apply_rope_in_place
 
 MIN_TOKENS = 16               # shorter chunks (decode, verify) go through the decode kernels
-# False: `folded_query` always (`benchmarks/variants.py prefill --variants default,query_folded` compares the two). Read while
-# tracing: programs compiled before a change (and program_cache entries) keep their form.
+# False: `folded_query` always (`benchmarks/variants.py prefill --variants
+# default,query_folded` compares the two). Read while tracing: programs compiled before a
+# change (and program_cache entries) keep their form.
 PREPARE_QUERY_IN_KERNEL = True
 MAX_KEY_BYTES = 1 << 30       # the per-block key lists this path materialises
 

@@ -33,6 +33,8 @@ Backends:
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -46,7 +48,8 @@ compressor_row_finish = kernels_xla.compressor_row_finish
 
 __all__ = ["KernelUnavailable", "call", "choose", "implementation", "implementations", "register",
            "register_unbuilt", "use", "grouped_matmul", "grouped_swiglu", "attention", "sparse_attention",
-           "chunk_attention", "index_scores", "top_k_rows", "top_k_mask", "mhc_pre", "mhc_post", "sinkhorn", "compressor_decode",
+           "chunk_attention", "index_scores", "top_k_rows", "top_k_mask", "mhc_pre", "mhc_post",
+           "sinkhorn", "compressor_decode",
            "compressor_row_finish", "linear", "grouped_linear", "linear_many"]
 
 _NO_SM100 = "no SM100 (Blackwell) hardware was available to build and test it"
@@ -155,7 +158,9 @@ def top_k_mask(scores, visible, k: int) -> jax.Array:
     if scores.shape != visible.shape:
         raise ValueError(f"top_k_mask: scores{scores.shape} and visible{visible.shape} must "
                          "have one shape")
-    return call("top_k_mask", scores, visible, k)
+    if isinstance(k, bool) or not hasattr(k, "__index__") or operator.index(k) < 0:
+        raise ValueError(f"top_k_mask: k must be a non-negative int (got {k!r})")
+    return call("top_k_mask", scores, visible, operator.index(k))
 
 
 def mhc_pre(streams, fn, base, scale, norm_weight, *, iters: int, hc_eps: float,

@@ -1,6 +1,7 @@
 """XLA implementations of the kernel ops (`deepinfer_fn.kernels`): the reference every other
 implementation is tested against ("xla", every platform), and `top_k_rows_select` /
-`top_k_mask_select` ("xla_select": a radix select instead of a sort). Each registers itself in `kernel_registry`."""
+`top_k_mask_select` ("xla_select": a radix select instead of a sort). Each registers itself
+in `kernel_registry`."""
 
 from __future__ import annotations
 

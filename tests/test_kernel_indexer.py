@@ -148,6 +148,9 @@ def test_top_k_mask_select_has_no_sort_or_scatter():
 def test_top_k_mask_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="top_k_mask: scores"):
         kernels.top_k_mask(jnp.zeros((2, 5)), jnp.ones((2, 4), bool), 2)
+    for k in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="top_k_mask: k must be a non-negative int"):
+            kernels.top_k_mask(jnp.zeros((2, 5)), jnp.ones((2, 5), bool), k)
 
 
 # ------------------------------------------------------------------ compressor decode step
