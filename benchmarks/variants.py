@@ -12,7 +12,8 @@ logits, relative L2 and top-1 agreement).
         --variants default,topk_select --out F.json                          # CPU
 
 Variants (`VARIANTS`): registry overrides (`kernels.use`) and module switches read while
-tracing. Without an sm_90 GPU the Mosaic variants are refused by their kernels.
+tracing; `a+b` puts several in force at once (`--variants default,attention+mhc_split`).
+Without an sm_90 GPU the Mosaic variants are refused by their kernels.
 """
 
 from __future__ import annotations
@@ -48,12 +49,21 @@ VARIANTS = {
 }
 
 
+def choices(name: str) -> tuple[dict, list]:
+    """(registry overrides, module switches) of a variant or a `+`-joined combination."""
+    overrides, switches = {}, []
+    for part in name.split("+"):
+        if part not in VARIANTS:
+            raise ValueError(f"unknown variant {part!r}; known: {', '.join(VARIANTS)}")
+        overrides.update(VARIANTS[part][0])
+        switches += VARIANTS[part][1]
+    return overrides, switches
+
+
 @contextlib.contextmanager
 def variant(name: str):
     """The variant's choices in force inside the block (restored after)."""
-    if name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-    overrides, switches = VARIANTS[name]
+    overrides, switches = choices(name)
     with contextlib.ExitStack() as stack:
         for op, impl in overrides.items():
             stack.enter_context(kernels.use(op, impl))
@@ -90,8 +100,8 @@ def alternate(run, names, rounds: int, reps: int) -> dict:
 
 
 def decode_points(cfg, params, token_map, names, batches, context: int, steps: int,
-                  rounds: int, reps: int):
-    """Rows of the decode comparison, one per (batch, variant)."""
+                  rounds: int, reps: int, emit):
+    """The decode comparison: emit(row) for each (batch, variant) as soon as it is timed."""
     slack = (rounds * reps + 2) * steps + 8
     loop = lean.decode_loop_fn(steps, token_map)
     jobs = []
@@ -103,7 +113,6 @@ def decode_points(cfg, params, token_map, names, batches, context: int, steps: i
                              state, token)
         jobs += [((b, n), lw) for n, lw in lowered.items()]
     futures = lean.compile_in_threads(jobs, lean.compile_threads())
-    rows = []
     for b in batches:
         compiled = {n: futures[(b, n)].result() for n in names}
         carry, first = {}, {}
@@ -118,18 +127,17 @@ def decode_points(cfg, params, token_map, names, batches, context: int, steps: i
         times = alternate(run, names, rounds, reps)
         for n in names:
             step_ms = [t / steps * 1e3 for t in times[n]]
-            rows.append(dict(program="decode", batch=b, context=context, variant=n,
+            emit(dict(program="decode", batch=b, context=context, variant=n,
                              step_ms=step_ms, median_ms=float(np.median(step_ms)),
                              kernels_per_step=hlo_count.count_text(
                                  compiled[n][0].as_text())["kernels"] / steps,
                              compile_s=compiled[n][1],
                              same_tokens_as_first=first[n] == first[names[0]]))
-    return rows
 
 
-def prefill_points(cfg, params, token_map, names, shapes, rounds: int, reps: int):
-    """Rows of the prefill comparison, one per (shape, variant)."""
-    rows, jobs, inputs = [], [], {}
+def prefill_points(cfg, params, token_map, names, shapes, rounds: int, reps: int, emit):
+    """The prefill comparison: emit(row) for each (shape, variant) as soon as it is timed."""
+    jobs, inputs = [], {}
     for shape in shapes:
         batch, tokens = (int(v) for v in shape.split("x"))
         state = di.init_state(cfg, batch, tokens + 256, dtype=jnp.bfloat16)
@@ -149,7 +157,7 @@ def prefill_points(cfg, params, token_map, names, shapes, rounds: int, reps: int
         ref = logits[names[0]]
         for n in names:
             ms = [t * 1e3 for t in times[n]]
-            rows.append(dict(program="prefill", shape=shape, variant=n, ms=ms,
+            emit(dict(program="prefill", shape=shape, variant=n, ms=ms,
                              median_ms=float(np.median(ms)),
                              kernels=hlo_count.count_text(compiled[n][0].as_text())["kernels"],
                              compile_s=compiled[n][1],
@@ -157,7 +165,6 @@ def prefill_points(cfg, params, token_map, names, shapes, rounds: int, reps: int
                                                    / max(np.linalg.norm(ref), 1e-30)),
                              top1_agreement=float(np.mean(logits[n].argmax(-1)
                                                           == ref.argmax(-1)))))
-    return rows
 
 
 def main(argv=None) -> dict:
@@ -174,35 +181,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     names = args.variants.split(",")
-    for name in names:
-        if name not in VARIANTS:
-            ap.error(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+    try:
+        chosen = {name: choices(name) for name in names}
+    except ValueError as e:
+        ap.error(str(e))
     cfg = di.ModelConfig.preset(args.preset)
-    params = jax.block_until_ready(lean.random_weights(cfg, jnp.bfloat16))
-    token_map = lean.token_map_for(cfg)[1]
-    if args.program == "decode":
-        rows = decode_points(cfg, params, token_map, names,
-                             [int(b) for b in args.batches.split(",")], args.context,
-                             args.steps, args.rounds, args.reps)
-    else:
-        rows = prefill_points(cfg, params, token_map, names, args.shapes.split(","),
-                              args.rounds, args.reps)
-    for row in rows:
+    result = dict(command=" ".join(["benchmarks/variants.py"] + (argv or sys.argv[1:])),
+                  preset=args.preset, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  rounds=args.rounds, reps=args.reps,
+                  variants={n: dict(overrides=o, switches=[list(s) for s in w])
+                            for n, (o, w) in chosen.items()},
+                  results=[])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def emit(row):          # printed and saved row by row: a run cut short keeps its rows
+        result["results"].append(row)
         where = f"B={row['batch']}" if row["program"] == "decode" else row["shape"]
         print(f"{row['program']} {where} {row['variant']:13s} {row['median_ms']:8.3f} ms "
               f"(min {min(row.get('step_ms') or row['ms']):.3f})  "
               f"kernels {row.get('kernels_per_step', row.get('kernels'))}", flush=True)
-    result = dict(command=" ".join(["benchmarks/variants.py"] + (argv or sys.argv[1:])),
-                  preset=args.preset, device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  rounds=args.rounds, reps=args.reps,
-                  variants={n: dict(overrides=VARIANTS[n][0],
-                                    switches=[list(s) for s in VARIANTS[n][1]]) for n in names},
-                  results=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    params = jax.block_until_ready(lean.random_weights(cfg, jnp.bfloat16))
+    token_map = lean.token_map_for(cfg)[1]
+    if args.program == "decode":
+        decode_points(cfg, params, token_map, names, [int(b) for b in args.batches.split(",")],
+                      args.context, args.steps, args.rounds, args.reps, emit)
+    else:
+        prefill_points(cfg, params, token_map, names, args.shapes.split(","), args.rounds,
+                       args.reps, emit)
     return result
-
-
-if __name__ == "__main__":
-    main()

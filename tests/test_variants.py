@@ -38,3 +38,19 @@ def test_unknown_variant_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown variant 'nope'"):
         with variants.variant("nope"):
             pass
+
+
+def test_combined_variants_put_every_part_in_force():
+    from benchmarks import variants
+    from custom_calls import chunk_attention
+    from deepinfer_fn import kernel_registry
+    before = chunk_attention.PREPARE_QUERY_IN_KERNEL
+    overrides, switches = variants.choices("query_folded+topk_select")
+    assert overrides == {"top_k_mask": "xla_select"}
+    assert switches == [("custom_calls.chunk_attention", "PREPARE_QUERY_IN_KERNEL", False)]
+    with variants.variant("query_folded+topk_select"):
+        assert chunk_attention.PREPARE_QUERY_IN_KERNEL is False
+        assert kernel_registry.choose("top_k_mask") == "xla_select"
+    assert chunk_attention.PREPARE_QUERY_IN_KERNEL == before
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        variants.choices("topk_select+nope")
