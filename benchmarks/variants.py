@@ -75,10 +75,12 @@ def variant(name: str):
 
 
 def lower_each(fn, names, *args) -> dict:
-    """{name: jax.jit(fn) lowered on args with the variant in force} (a fresh jit each: the
-    choices are read while tracing)."""
+    """{name: jax.jit(fn) lowered on args with the variant in force} (a fresh jit each, and
+    JAX's trace caches cleared: the choices are read while tracing, and an inner jitted
+    function traced for one variant would otherwise be reused by the next)."""
     lowered = {}
     for name in names:
+        jax.clear_caches()
         with variant(name):
             lowered[name] = fn().lower(*args)
     return lowered
@@ -212,3 +214,7 @@ def main(argv=None) -> dict:
         prefill_points(cfg, params, token_map, names, args.shapes.split(","), args.rounds,
                        args.reps, emit)
     return result
+
+
+if __name__ == "__main__":
+    main()

@@ -115,6 +115,7 @@ def _mask_sets(mask):
     ((2, 1, 33), 5, 2, 0.0),        # nothing visible
     ((1, 3, 300), 100, 300, 0.9),   # several radix passes
     ((2, 4, 16), 0, 4, 0.7),        # k = 0
+    ((1, 64, 1024), 512, 64, 0.9),  # a CSA prefill chunk's rows and k
 ])
 def test_top_k_mask_matches_brute_force(impl, dtype, shape, k, levels, p_vis):
     scores, visible = _case(hash((shape, k, levels, 1)) % 1000, shape, levels, dtype, p_vis)

@@ -54,3 +54,20 @@ def test_combined_variants_put_every_part_in_force():
     assert chunk_attention.PREPARE_QUERY_IN_KERNEL == before
     with pytest.raises(ValueError, match="unknown variant 'nope'"):
         variants.choices("topk_select+nope")
+
+
+def test_each_variant_traces_afresh_through_inner_jits():
+    """An inner jitted function traced under one variant is not reused under the next."""
+    import jax
+    import jax.numpy as jnp
+    from benchmarks import variants
+    from deepinfer_fn import kernels
+
+    inner = jax.jit(lambda s, v: kernels.top_k_rows(s, v, 4))
+    scores = jax.ShapeDtypeStruct((2, 64), jnp.float32)
+    visible = jax.ShapeDtypeStruct((2, 64), jnp.bool_)
+    lowered = variants.lower_each(lambda: jax.jit(lambda s, v: inner(s, v)),
+                                  ["default", "rows_select"], scores, visible)
+    sort_ops = ("stablehlo.sort", "chlo.top_k")
+    assert any(op in lowered["default"].as_text() for op in sort_ops)
+    assert not any(op in lowered["rows_select"].as_text() for op in sort_ops)
