@@ -46,6 +46,10 @@ VARIANTS = {
     "topk_sort": ({"top_k_mask": "xla"}, []),
     "topk_select": ({"top_k_mask": "xla_select"}, []),
     "rows_select": ({"top_k_rows": "xla_select"}, []),
+    # prefill: selected rows as a mask over a buffer of up to 8192 rows (default 4096) instead
+    # of gathered per token (V4.1's token-level rows pass 4096 at a 4k context)
+    "dense_rows_8k": ({}, [("deepinfer_fn.model.cached", "DENSE_ROWS_MAX", 8192),
+                           ("deepinfer_fn.model.cached_v41", "DENSE_ROWS_MAX", 8192)]),
 }
 
 

@@ -71,3 +71,12 @@ def test_each_variant_traces_afresh_through_inner_jits():
     sort_ops = ("stablehlo.sort", "chlo.top_k")
     assert any(op in lowered["default"].as_text() for op in sort_ops)
     assert not any(op in lowered["rows_select"].as_text() for op in sort_ops)
+
+
+def test_dense_rows_variant_switches_both_model_modules():
+    from benchmarks import variants
+    from deepinfer_fn.model import cached, cached_v41
+    before = (cached.DENSE_ROWS_MAX, cached_v41.DENSE_ROWS_MAX)
+    with variants.variant("dense_rows_8k"):
+        assert cached.DENSE_ROWS_MAX == cached_v41.DENSE_ROWS_MAX == 8192
+    assert (cached.DENSE_ROWS_MAX, cached_v41.DENSE_ROWS_MAX) == before
