@@ -142,8 +142,9 @@ def top_k_rows(scores, visible, k: int) -> jax.Array:
     """Indices [..., min(k, N)] int32 of the best visible rows (spec §2.7 step 6, §4.5).
 
     scores [..., N] (any float dtype), visible [..., N] bool. Invisible rows are masked to
-    -inf, the k largest taken (total order: -0.0 < +0.0; ties go to the lower row index),
-    and selected-but-invisible entries replaced by -1.
+    -inf, the k largest taken (total order, except that -0.0 and +0.0 are one value, as
+    torch.topk and XLA's GPU sort (CUB) compare them; ties go to the lower row index), and
+    selected-but-invisible entries replaced by -1.
     Order: "xla" lists them by decreasing score (lax.top_k); "xla_select" by increasing row
     index, its -1 entries possibly in between. The set of valid indices is the same.
     """

@@ -227,19 +227,30 @@ def chunk_attention(q, kv, start, n_new, ring_kv, ring_pos, sinks, *, window,
     return out[:, :s].astype(dtype)
 
 
+def _one_zero(x):
+    """x with -0.0 replaced by +0.0: the top-k ops order zeros of either sign as one value.
+    Matched by bit pattern: a float compare would also take denormals for zero where the
+    platform flushes them."""
+    utype = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    minus_zero = utype(1 << (8 * x.dtype.itemsize - 1))
+    return jnp.where(jax.lax.bitcast_convert_type(x, utype) == minus_zero, jnp.zeros_like(x), x)
+
+
 @register("top_k_rows", "xla")
 def top_k_rows(scores, visible, k):
     """`kernels.top_k_rows` by `lax.top_k` (indices by decreasing score)."""
     k = min(k, scores.shape[-1])
-    masked = jnp.where(visible, scores, -jnp.inf)
+    masked = jnp.where(visible, _one_zero(scores), -jnp.inf)
     _, idx = jax.lax.top_k(masked, k)
     return jnp.where(jnp.take_along_axis(visible, idx, axis=-1), idx, -1).astype(jnp.int32)
 
 
 def _sortable_key(x) -> tuple[jax.Array, int]:
-    """Float -> (uint32 key, significant bits): keys compare like the floats' total order."""
+    """Float -> (uint32 key, significant bits): keys compare like the floats' total order,
+    -0.0 taken as +0.0."""
     if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         x = x.astype(jnp.float32)
+    x = _one_zero(x)
     width = 8 * x.dtype.itemsize
     utype = jnp.uint16 if width == 16 else jnp.uint32
     bits = jax.lax.bitcast_convert_type(x, utype)

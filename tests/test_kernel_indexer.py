@@ -18,12 +18,13 @@ MASK_IMPLS = [i for i in kernels.implementations("top_k_mask") if i.startswith("
 
 def _brute_top_k(scores, visible, k):
     """Sets of selected visible rows per leading index: stable argsort of the masked scores
-    in the floats' total order (ties to the lower index)."""
+    in the floats' total order with -0.0 taken as +0.0 (ties to the lower index)."""
     s = np.where(visible, scores.astype(np.float32), -np.inf)
+    s = np.where(s == 0, np.float32(0), s)
     n = s.shape[-1]
     k = min(k, n)
     bits = s.view(np.int32).astype(np.int64)
-    key = np.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)   # total order, -0 < +0
+    key = np.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)   # total order
     flat_key, flat_vis = key.reshape(-1, n), visible.reshape(-1, n)
     out = []
     for r in range(flat_key.shape[0]):
@@ -39,7 +40,8 @@ def _sets(idx):
 
 
 def _case(seed, shape, levels, dtype, p_visible=0.8):
-    """Scores drawn from `levels` distinct values (many exact ties, +-0.0 among them)."""
+    """Scores drawn from `levels` distinct values (many exact ties, +-0.0 among them: one
+    value to the top-k ops)."""
     rng = np.random.default_rng(seed)
     vals = np.concatenate([[0.0, -0.0], rng.standard_normal(max(levels - 2, 0))])[:levels]
     scores = vals[rng.integers(0, levels, shape)]
